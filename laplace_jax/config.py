@@ -1,0 +1,326 @@
+"""Typed configuration: YAML → frozen dataclasses, validated, with `key=value` overrides.
+
+Every config value is reachable as a dotted key (``model.d_model=256``, ``optim.lr=1e-3``).
+Errors are one line naming the key and the fix, raised as `ConfigError`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = "laplace_tiny"
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message is one line naming the key and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of one Laplace decoder (defaults: the 3B model of the article)."""
+
+    vocab_size: int = 50304          # GPT-2 BPE (50,257) padded to a multiple of 64
+    d_model: int = 3072              # D
+    num_layers: int = 24             # L
+    num_heads: int = 16              # H
+    d_k: int = 96                    # query/key width per head
+    d_v: int = 192                   # value/gate width per head (H * d_v == D)
+    qkvg_dim: int = 9216             # fused projection width, must equal H * (2 d_k + 2 d_v)
+    conv_kernel: int = 4             # depthwise causal conv width
+    ffn_dim: int = 8192              # GLU inner width (W_12 is [D, 2 * ffn_dim])
+    decay_tiers: int = 4             # head RMSNorm groups (contiguous heads share one weight)
+    t_min: float = 1.0               # shortest head half-life, tokens
+    t_max: float = 2048.0            # longest head half-life, tokens
+    seq_len: int = 2048              # training sequence length
+    num_chunks: int = 16             # static GLA chunks per sequence (chunk = seq_len / num_chunks)
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    compute_dtype: str = "bfloat16"  # activations/matmul inputs; parameters stay float32
+    scan_layers: bool = True         # scan over the [L, ...] stacked layer weights
+    remat: str = "none"              # none | full | dots | dots_no_batch
+    gla_unroll: bool = False         # unroll the GLA chunk loop completely (Neuron)
+
+    @property
+    def chunk_size(self) -> int:
+        return self.seq_len // self.num_chunks
+
+    @property
+    def heads_per_tier(self) -> int:
+        return self.num_heads // self.decay_tiers
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Muon (hidden matrices) + AdamW (everything else), one warmup-cosine schedule."""
+
+    lr: float = 3e-3                 # peak LR shared by Muon (moonlight scale) and AdamW
+    min_lr_ratio: float = 0.1        # cosine floor as a fraction of lr
+    warmup_steps: int = 3815
+    total_steps: int = 190735
+    weight_decay: float = 0.1        # decoupled, on matrices only
+    grad_clip: float = 1.0           # global-norm clipping; 0 disables
+    adam_b1: float = 0.9
+    adam_b2: float = 0.95
+    adam_eps: float = 1e-8
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    ns_steps: int = 5
+    muon_eps: float = 1e-7
+    muon_scale: str = "moonlight"    # moonlight: 0.2*sqrt(max(m,n)) | spectral: sqrt(max(1, rows/cols))
+    muon_comm: str = "all_to_all"    # all_to_all | gather (the article's baseline) | local (wrong; tests only)
+    muon_comm_dtype: str = "bfloat16"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = ""                   # prepared shard folder; empty = the built-in demo corpus
+    val_fraction: float = 0.02
+    shuffle_seed: int = 0
+    num_workers: int = 0             # grain worker processes (0 = threads in-process)
+    prefetch: int = 2
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    data: int = 1                    # data-parallel replicas
+    fsdp: int = -1                   # -1: every remaining device
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    batch_tokens: int = 524288       # tokens per optimizer step (reached by grad accumulation)
+    micro_batch: int = 8             # sequences per device-batch forward/backward
+    steps: int = 190735
+    seed: int = 0
+    log_every: int = 1
+    eval_every: int = 1000
+    eval_batches: int = 8
+    ckpt_every: int = 1000
+    keep_ckpts: int = 3
+    async_ckpt: bool = True
+    peak_flops: float = 0.0          # per device, for MFU; 0 = guess from the platform
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    platform: str = "auto"           # auto | cpu | gpu | neuron
+    decode_widths: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # fixed decode batch widths (compiled once each)
+    name: str = "laplace"
+
+
+_REMAT = ("none", "full", "dots", "dots_no_batch")
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def validate(cfg: Config) -> Config:
+    """Raise `ConfigError` (one line, naming key and fix) for an inconsistent config."""
+    m = cfg.model
+    for f in dataclasses.fields(m):
+        v = getattr(m, f.name)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            _check(v > 0, f"model.{f.name}={v}: must be positive")
+    _check(m.num_heads % m.decay_tiers == 0,
+           f"model.num_heads={m.num_heads} is not divisible by model.decay_tiers={m.decay_tiers}: "
+           f"choose decay_tiers among {[d for d in range(1, m.num_heads + 1) if m.num_heads % d == 0]}")
+    _check(m.seq_len % m.num_chunks == 0,
+           f"model.seq_len={m.seq_len} is not divisible by model.num_chunks={m.num_chunks}: "
+           f"use a seq_len multiple of {m.num_chunks}")
+    _check(m.num_heads * m.d_v == m.d_model,
+           f"model.num_heads*model.d_v = {m.num_heads}*{m.d_v} = {m.num_heads * m.d_v} != "
+           f"model.d_model={m.d_model}: set d_v={m.d_model // m.num_heads} or d_model={m.num_heads * m.d_v}")
+    want = m.num_heads * (2 * m.d_k + 2 * m.d_v)
+    _check(m.qkvg_dim == want,
+           f"model.qkvg_dim={m.qkvg_dim} != H(2d_k+2d_v) = {m.num_heads}*(2*{m.d_k}+2*{m.d_v}) = {want}: "
+           f"set model.qkvg_dim={want}")
+    _check(m.t_max >= m.t_min, f"model.t_max={m.t_max} < model.t_min={m.t_min}: t_max must be >= t_min")
+    _check(m.remat in _REMAT, f"model.remat={m.remat!r}: choose one of {_REMAT}")
+    _check(m.compute_dtype in _DTYPES, f"model.compute_dtype={m.compute_dtype!r}: choose one of {_DTYPES}")
+    o = cfg.optim
+    _check(o.lr > 0, f"optim.lr={o.lr}: must be positive")
+    _check(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
+    _check(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be >= 0")
+    _check(o.total_steps > 0, f"optim.total_steps={o.total_steps}: must be positive")
+    _check(o.ns_steps > 0, f"optim.ns_steps={o.ns_steps}: must be positive")
+    _check(o.muon_scale in ("moonlight", "spectral"),
+           f"optim.muon_scale={o.muon_scale!r}: choose 'moonlight' or 'spectral'")
+    _check(o.muon_comm in ("all_to_all", "gather", "local"),
+           f"optim.muon_comm={o.muon_comm!r}: choose 'all_to_all', 'gather' or 'local'")
+    _check(o.muon_comm_dtype in _DTYPES,
+           f"optim.muon_comm_dtype={o.muon_comm_dtype!r}: choose one of {_DTYPES}")
+    t = cfg.train
+    for name in ("batch_tokens", "micro_batch", "steps", "log_every", "eval_every", "eval_batches",
+                 "ckpt_every", "keep_ckpts"):
+        _check(getattr(t, name) > 0, f"train.{name}={getattr(t, name)}: must be positive")
+    _check(t.batch_tokens % m.seq_len == 0,
+           f"train.batch_tokens={t.batch_tokens} is not a multiple of model.seq_len={m.seq_len}: "
+           f"use a multiple of {m.seq_len}")
+    _check(cfg.mesh.data > 0, f"mesh.data={cfg.mesh.data}: must be positive")
+    _check(cfg.mesh.fsdp == -1 or cfg.mesh.fsdp > 0, f"mesh.fsdp={cfg.mesh.fsdp}: must be positive or -1 (all devices)")
+    _check(0 <= cfg.data.val_fraction < 1, f"data.val_fraction={cfg.data.val_fraction}: must be in [0, 1)")
+    _check(cfg.platform in ("auto", "cpu", "gpu", "neuron"),
+           f"platform={cfg.platform!r}: choose one of auto, cpu, gpu, neuron")
+    _check(len(cfg.decode_widths) > 0 and all(w > 0 for w in cfg.decode_widths)
+           and list(cfg.decode_widths) == sorted(set(cfg.decode_widths)),
+           f"decode_widths={list(cfg.decode_widths)}: must be positive, strictly increasing")
+    return cfg
+
+
+# ----------------------------------------------------------------------------- parsing
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _suggest(key: str, options: list[str]) -> str:
+    near = difflib.get_close_matches(key, options, n=1, cutoff=0.5)
+    return f"did you mean '{near[0]}'?" if near else f"valid keys: {', '.join(sorted(options))}"
+
+
+def _coerce(value: Any, typ: Any, key: str) -> Any:
+    """Convert a YAML/CLI value to the field's declared type."""
+    origin = typing.get_origin(typ)
+    if origin is tuple:
+        if isinstance(value, str):
+            value = yaml.safe_load(value if value.startswith("[") else f"[{value}]")
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={value!r}: expected a list, e.g. {key}=[1,2,4]")
+        return tuple(_coerce(v, typing.get_args(typ)[0], key) for v in value)
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{key}={value!r}: expected true or false")
+    if typ in (int, float):
+        if isinstance(value, str):
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}={value!r}: expected a number")
+        if typ is int:
+            if float(value) != int(value):
+                raise ConfigError(f"{key}={value!r}: expected an integer")
+            return int(value)
+        return float(value)
+    if typ is str:
+        return str(value)
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = _hints(cls)
+    kwargs = {}
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key, value in data.items():
+        if key not in names:
+            raise ConfigError(f"unknown config key '{prefix}{key}': {_suggest(key, names)}")
+        typ = hints[key]
+        if dataclasses.is_dataclass(typ):
+            kwargs[key] = _build(typ, value or {}, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(value, typ, f"{prefix}{key}")
+    return cls(**kwargs)
+
+
+def _as_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, raw: str, cls: type) -> None:
+    parts = dotted.split(".")
+    node, node_cls = tree, cls
+    for i, part in enumerate(parts):
+        names = [f.name for f in dataclasses.fields(node_cls)]
+        path = ".".join(parts[:i])
+        if part not in names:
+            full = f"{path}.{part}" if path else part
+            raise ConfigError(f"unknown config key '{full}': {_suggest(part, names)}")
+        typ = _hints(node_cls)[part]
+        if i == len(parts) - 1:
+            if dataclasses.is_dataclass(typ):
+                raise ConfigError(f"'{dotted}' is a section: set one of its keys, e.g. {dotted}.{dataclasses.fields(typ)[0].name}=...")
+            node[part] = raw
+        else:
+            if not dataclasses.is_dataclass(typ):
+                raise ConfigError(f"'{'.'.join(parts[:i + 1])}' is not a section: use {'.'.join(parts[:i + 1])}=VALUE")
+            node = node.setdefault(part, {})
+            node_cls = typ
+
+
+def resolve_path(name_or_path: str | os.PathLike[str]) -> Path:
+    """`laplace_tiny`, `laplace_tiny.yaml` or a path → an existing YAML file."""
+    p = Path(name_or_path)
+    if p.exists():
+        return p
+    for cand in (CONFIG_DIR / p, CONFIG_DIR / f"{p}.yaml"):
+        if cand.exists():
+            return cand
+    avail = ", ".join(sorted(q.stem for q in CONFIG_DIR.glob("*.yaml")))
+    raise ConfigError(f"config '{name_or_path}' not found: give a YAML path or one of: {avail}")
+
+
+def load_config(name_or_path: str | os.PathLike[str] | None = None,
+                overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a YAML config (name in `configs/` or a path), apply `key=value` overrides, validate."""
+    data: dict[str, Any] = {}
+    if name_or_path is not None:
+        path = resolve_path(name_or_path)
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]}): fix the file") from None
+    return from_dict(data, overrides)
+
+
+def from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}': expected key=value, e.g. model.d_model=256")
+        key, raw = item.split("=", 1)
+        _set_dotted(data, key.strip(), raw.strip(), Config)
+    return validate(_build(Config, data, ""))
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    d = _as_dict(cfg)
+    d["decode_widths"] = list(cfg.decode_widths)
+    return d
+
+
+def model_config_from_dict(d: dict[str, Any]) -> ModelConfig:
+    return _build(ModelConfig, d, "model.")
+
+
+def gla_decay_log(m: ModelConfig) -> "list[float]":
+    """γ_h = ln λ_h with λ_h = 2^(-1/half_life_h), half_life_h = T_min (T_max/T_min)^(h/(H-1))."""
+    H = m.num_heads
+    out = []
+    for h in range(H):
+        frac = h / (H - 1) if H > 1 else 0.0
+        half_life = m.t_min * (m.t_max / m.t_min) ** frac
+        out.append(-math.log(2.0) / half_life)
+    return out
