@@ -1,0 +1,276 @@
+"""The Laplace decoder: a Flax module that owns the parameters, pure functions for the math.
+
+Parameter tree and state layout: docs/PARAMS.md. Three entry points share the parameters:
+
+- `forward(params, tokens)`              → logits [B, S, vocab]          (training; chunked GLA)
+- `prefill(params, tokens)`              → (logits [B, S, vocab], state)  (any prompt length)
+- `decode_step(params, token, state)`    → (logits [B, vocab], state)     (O(1) in context length)
+
+The state is a fixed-size float32 pytree: {"conv": [L, B, C, D], "gla": [L, B, H, K, V]}.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from laplace_jax.config import ModelConfig, gla_decay_log
+from laplace_jax.ops.gla import chunk_simple_gla, simple_gla_step
+
+Array = jax.Array
+Params = dict[str, Any]
+F32 = jnp.float32
+
+_REMAT_POLICIES = {
+    "full": None,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+# ----------------------------------------------------------------------------- parameters
+
+def _normal(std: float):
+    return nn.initializers.normal(stddev=std)
+
+
+def _uniform(bound: float):
+    def init(key, shape, dtype=F32):
+        return jax.random.uniform(key, shape, dtype, -bound, bound)
+    return init
+
+
+def _layer_param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """Per-layer parameter shapes (without the leading L axis) and initialisers."""
+    D, H, K, V, F, C = cfg.d_model, cfg.num_heads, cfg.d_k, cfg.d_v, cfg.ffn_dim, cfg.conv_kernel
+    resid_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)  # GPT-2 style: residual writers scaled
+    conv_bound = 1.0 / math.sqrt(C)                           # torch Conv1d default for depthwise
+    return {
+        "attn_norm": ((D,), nn.initializers.ones),
+        "conv_w": ((C, D), _uniform(conv_bound)),
+        "conv_b": ((D,), _uniform(conv_bound)),
+        "w_qkvg": ((D, cfg.qkvg_dim), _normal(cfg.init_std)),
+        "aug_balance": ((H, K), nn.initializers.zeros),
+        "head_norm": ((cfg.decay_tiers, V), nn.initializers.ones),
+        "w_out": ((D, D), _normal(resid_std)),
+        "ffn_norm": ((D,), nn.initializers.ones),
+        "w_12": ((D, 2 * F), _normal(cfg.init_std)),
+        "w_3": ((F, D), _normal(resid_std)),
+    }
+
+
+class LayerStack(nn.Module):
+    """Declares every per-layer weight kind as one stacked [L, ...] array."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self) -> Params:
+        L = self.cfg.num_layers
+        return {name: self.param(name, init, (L, *shape))
+                for name, (shape, init) in _layer_param_specs(self.cfg).items()}
+
+
+class LaplaceLM(nn.Module):
+    """Owns the parameters; `__call__`, `prefill` and `decode_step` run the pure functions below."""
+
+    cfg: ModelConfig
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.embed = self.param("embed", _normal(cfg.init_std), (cfg.vocab_size, cfg.d_model))
+        self.layers = LayerStack(cfg)
+        self.final_norm = self.param("final_norm", nn.initializers.ones, (cfg.d_model,))
+        self.lm_head = self.param("lm_head", _normal(cfg.init_std), (cfg.d_model, cfg.vocab_size))
+
+    def _params(self) -> Params:
+        return {"embed": self.embed, "layers": self.layers(),
+                "final_norm": self.final_norm, "lm_head": self.lm_head}
+
+    def declare(self) -> Params:
+        """Touch every parameter (used by `init`; runs no model math)."""
+        return self._params()
+
+    def __call__(self, tokens: Array) -> Array:
+        return forward(self._params(), tokens, self.cfg)
+
+    def prefill(self, tokens: Array) -> tuple[Array, dict[str, Array]]:
+        return prefill(self._params(), tokens, self.cfg)
+
+    def decode_step(self, token: Array, state: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
+        return decode_step(self._params(), token, state, self.cfg)
+
+
+def _plain(tree: Any) -> Any:
+    return {k: _plain(v) for k, v in tree.items()} if hasattr(tree, "items") else tree
+
+
+def init_params(cfg: ModelConfig, rng: Array) -> Params:
+    """Random float32 parameters in the docs/PARAMS.md tree."""
+    variables = LaplaceLM(cfg).init(rng, method=LaplaceLM.declare)
+    return _plain(variables["params"])
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+    """The parameter tree as `jax.ShapeDtypeStruct`s (nothing allocated)."""
+    return jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
+
+
+# ----------------------------------------------------------------------------- the math
+
+def decay_log(cfg: ModelConfig) -> Array:
+    """γ_h [H] float32: fixed, not a parameter."""
+    return jnp.asarray(np.asarray(gla_decay_log(cfg), np.float32))
+
+
+def _layer_norm(x: Array, scale: Array, eps: float) -> Array:
+    x = x.astype(F32)
+    mean = x.mean(-1, keepdims=True)
+    var = jnp.square(x - mean).mean(-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + eps) * scale
+
+
+def _head_rms_norm(o: Array, weight: Array, eps: float) -> Array:
+    """o: [..., H, V]; weight: [T, V] shared by the H/T contiguous heads of each decay tier."""
+    *lead, H, V = o.shape
+    T = weight.shape[0]
+    o = o.astype(F32).reshape(*lead, T, H // T, V)
+    o = o * jax.lax.rsqrt(jnp.square(o).mean(-1, keepdims=True) + eps) * weight[:, None, :]
+    return o.reshape(*lead, H, V)
+
+
+def _split_qkvg(cfg: ModelConfig, qkvg: Array) -> tuple[Array, Array, Array, Array]:
+    H, K, V = cfg.num_heads, cfg.d_k, cfg.d_v
+    q, k, v, g = jnp.split(qkvg, [H * K, 2 * H * K, 2 * H * K + H * V], axis=-1)
+    lead = qkvg.shape[:-1]
+    return (q.reshape(*lead, H, K), k.reshape(*lead, H, K),
+            v.reshape(*lead, H, V), g.reshape(*lead, H, V))
+
+
+def _mix_out(cfg: ModelConfig, lp: Params, q: Array, k: Array, v: Array, g: Array, o: Array) -> Array:
+    """Self-augmentation, head RMSNorm per tier, SiLU gate, W_out. Shapes [..., H, *]."""
+    cdt = jnp.dtype(cfg.compute_dtype)
+    gate = jax.nn.sigmoid(jnp.sum(q.astype(F32) * lp["aug_balance"] * k.astype(F32), -1, keepdims=True))
+    o = o.astype(F32) + gate * v.astype(F32)
+    o = _head_rms_norm(o, lp["head_norm"], cfg.norm_eps) * jax.nn.silu(g.astype(F32))
+    o = o.reshape(*o.shape[:-2], cfg.d_model).astype(cdt)
+    return jnp.dot(o, lp["w_out"].astype(cdt), preferred_element_type=F32)
+
+
+def _ffn(cfg: ModelConfig, lp: Params, x: Array) -> Array:
+    cdt = jnp.dtype(cfg.compute_dtype)
+    z = _layer_norm(x, lp["ffn_norm"], cfg.norm_eps).astype(cdt)
+    a, b = jnp.split(jnp.dot(z, lp["w_12"].astype(cdt), preferred_element_type=F32), 2, axis=-1)
+    h = (jax.nn.silu(a) * b).astype(cdt)
+    return jnp.dot(h, lp["w_3"].astype(cdt), preferred_element_type=F32)
+
+
+def _conv_seq(cfg: ModelConfig, lp: Params, xn: Array) -> tuple[Array, Array]:
+    """Causal depthwise conv over [B, S, D] from a zero window → (u [B, S, D] f32, window [B, C, D])."""
+    C, S = cfg.conv_kernel, xn.shape[1]
+    xp = jnp.pad(xn, ((0, 0), (C - 1, 0), (0, 0)))
+    u = sum(xp[:, j:j + S] * lp["conv_w"][j] for j in range(C)) + lp["conv_b"]
+    return jax.nn.silu(u), xp[:, -C:]
+
+
+def _layer_seq(cfg: ModelConfig, lp: Params, x: Array, g_gamma: Array, chunking: dict[str, Any]
+               ) -> tuple[Array, dict[str, Array]]:
+    """One layer over a whole sequence from a zero state. x: [B, S, D] f32 → (x, layer state)."""
+    cdt = jnp.dtype(cfg.compute_dtype)
+    u, window = _conv_seq(cfg, lp, _layer_norm(x, lp["attn_norm"], cfg.norm_eps))
+    qkvg = jnp.dot(u.astype(cdt), lp["w_qkvg"].astype(cdt), preferred_element_type=F32).astype(cdt)
+    q, k, v, g = _split_qkvg(cfg, qkvg)
+    o, gla_state = chunk_simple_gla(q, k, v, g_gamma, unroll=cfg.gla_unroll, **chunking)
+    x = x + _mix_out(cfg, lp, q, k, v, g, o)
+    x = x + _ffn(cfg, lp, x)
+    return x, {"conv": window.astype(F32), "gla": gla_state}
+
+
+def _layer_step(cfg: ModelConfig, lp: Params, x: Array, g_gamma: Array, st: dict[str, Array]
+                ) -> tuple[Array, dict[str, Array]]:
+    """One layer for one token. x: [B, D] f32; st: {"conv": [B, C, D], "gla": [B, H, K, V]}."""
+    cdt = jnp.dtype(cfg.compute_dtype)
+    xn = _layer_norm(x, lp["attn_norm"], cfg.norm_eps)
+    window = jnp.concatenate([st["conv"][:, 1:], xn[:, None].astype(F32)], axis=1)
+    u = jax.nn.silu(jnp.einsum("bcd,cd->bd", window, lp["conv_w"]) + lp["conv_b"])
+    qkvg = jnp.dot(u.astype(cdt), lp["w_qkvg"].astype(cdt), preferred_element_type=F32).astype(cdt)
+    q, k, v, g = _split_qkvg(cfg, qkvg)
+    o, gla_state = simple_gla_step(q, k, v, g_gamma, st["gla"])
+    x = x + _mix_out(cfg, lp, q, k, v, g, o)
+    x = x + _ffn(cfg, lp, x)
+    return x, {"conv": window, "gla": gla_state}
+
+
+def _over_layers(cfg: ModelConfig, layer_fn, layers: Params, x: Array, per_layer: Any = None):
+    """Apply `layer_fn(lp, x, extra) -> (x, out)` over the stacked layers (scan or a Python loop)."""
+    if cfg.remat != "none":
+        layer_fn = jax.checkpoint(layer_fn, policy=_REMAT_POLICIES[cfg.remat])
+    if cfg.scan_layers:
+        def body(x, xs):
+            lp, extra = xs
+            return layer_fn(lp, x, extra)
+        return jax.lax.scan(body, x, (layers, per_layer))
+    outs = []
+    for i in range(cfg.num_layers):
+        lp = jax.tree.map(lambda a: a[i], layers)
+        extra = None if per_layer is None else jax.tree.map(lambda a: a[i], per_layer)
+        x, out = layer_fn(lp, x, extra)
+        outs.append(out)
+    return x, jax.tree.map(lambda *a: jnp.stack(a), *outs)
+
+
+def _embed(params: Params, tokens: Array) -> Array:
+    return jnp.take(params["embed"], tokens, axis=0).astype(F32)
+
+
+def _logits(cfg: ModelConfig, params: Params, x: Array) -> Array:
+    cdt = jnp.dtype(cfg.compute_dtype)
+    xn = _layer_norm(x, params["final_norm"], cfg.norm_eps).astype(cdt)
+    return jnp.dot(xn, params["lm_head"].astype(cdt), preferred_element_type=F32)
+
+
+def _run_seq(params: Params, tokens: Array, cfg: ModelConfig, chunking: dict[str, Any]):
+    g_gamma = decay_log(cfg)
+    fn = lambda lp, x, _: _layer_seq(cfg, lp, x, g_gamma, chunking)  # noqa: E731
+    x, state = _over_layers(cfg, fn, params["layers"], _embed(params, tokens))
+    return _logits(cfg, params, x), state
+
+
+def forward(params: Params, tokens: Array, cfg: ModelConfig) -> Array:
+    """Training forward. tokens: [B, S] int with S divisible by num_chunks → logits [B, S, vocab] f32."""
+    if tokens.shape[1] % cfg.num_chunks:
+        raise ValueError(f"forward: sequence length {tokens.shape[1]} is not divisible by "
+                         f"num_chunks={cfg.num_chunks}; use prefill() for arbitrary lengths")
+    logits, _ = _run_seq(params, tokens, cfg, {"num_chunks": cfg.num_chunks})
+    return logits
+
+
+def prefill(params: Params, tokens: Array, cfg: ModelConfig) -> tuple[Array, dict[str, Array]]:
+    """Prompt of any length S from a zero state. tokens: [B, S] → (logits [B, S, vocab], state)."""
+    return _run_seq(params, tokens, cfg, {"chunk_size": min(cfg.chunk_size, tokens.shape[1])})
+
+
+def decode_step(params: Params, token: Array, state: dict[str, Array], cfg: ModelConfig
+                ) -> tuple[Array, dict[str, Array]]:
+    """One token per sequence. token: [B] int; state from `prefill`/`init_state` → (logits [B, vocab], state)."""
+    g_gamma = decay_log(cfg)
+    fn = lambda lp, x, st: _layer_step(cfg, lp, x, g_gamma, st)  # noqa: E731
+    x, state = _over_layers(cfg, fn, params["layers"], _embed(params, token), state)
+    return _logits(cfg, params, x), state
+
+
+def init_state(cfg: ModelConfig, batch: int) -> dict[str, Array]:
+    """A zero decode state for `batch` sequences (float32)."""
+    L, C, D, H, K, V = cfg.num_layers, cfg.conv_kernel, cfg.d_model, cfg.num_heads, cfg.d_k, cfg.d_v
+    return {"conv": jnp.zeros((L, batch, C, D), F32), "gla": jnp.zeros((L, batch, H, K, V), F32)}
+
+
+def state_bytes_per_sequence(cfg: ModelConfig) -> int:
+    """Bytes of the decode state of one sequence, from the real pytree's shapes."""
+    shapes = jax.eval_shape(functools.partial(init_state, cfg, 1))
+    return int(sum(np.prod(s.shape) * s.dtype.itemsize for s in jax.tree.leaves(shapes)))
