@@ -212,9 +212,9 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
         raise ConfigError(f"{key}={value!r}: expected true or false")
     if typ in (int, float):
         if isinstance(value, str):
-            try:
-                value = yaml.safe_load(value)
-            except yaml.YAMLError:
+            try:  # YAML reads "1e-3" as a string; Python's float() does not
+                value = int(value) if value.strip().lstrip("+-").isdigit() else float(value)
+            except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}={value!r}: expected a number")

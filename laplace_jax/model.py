@@ -110,8 +110,9 @@ def _plain(tree: Any) -> Any:
     return {k: _plain(v) for k, v in tree.items()} if hasattr(tree, "items") else tree
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def init_params(cfg: ModelConfig, rng: Array) -> Params:
-    """Random float32 parameters in the docs/PARAMS.md tree."""
+    """Random float32 parameters in the docs/PARAMS.md tree (one compiled init)."""
     variables = LaplaceLM(cfg).init(rng, method=LaplaceLM.declare)
     return _plain(variables["params"])
 

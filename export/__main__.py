@@ -1,0 +1,28 @@
+"""python -m export --checkpoint RUN_DIR [--step N] --out DIR [--dtype bfloat16|float32] [--overwrite]"""
+import argparse
+import sys
+
+from export.convert import DTYPES, ExportError, export_checkpoint
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m export",
+                                 description="Export a Laplace orbax checkpoint to a Hugging-Face-style "
+                                             "folder that plain torch and vLLM load.")
+    ap.add_argument("--checkpoint", required=True, help="training run directory")
+    ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    ap.add_argument("--out", required=True, help="output directory (must be empty)")
+    ap.add_argument("--dtype", default="float32", help=f"weight dtype: {' | '.join(DTYPES)}")
+    ap.add_argument("--overwrite", action="store_true", help="allow a non-empty --out")
+    a = ap.parse_args(argv)
+    try:
+        out = export_checkpoint(a.checkpoint, a.out, step=a.step, dtype=a.dtype, overwrite=a.overwrite)
+    except (ExportError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,354 @@
+"""Plain-PyTorch Laplace decoder: the reference for the serving path (no vLLM import).
+
+Mirrors docs/PARAMS.md name for name.  Torch layouts (the only differences to the JAX tree):
+
+* matrices ``w_*`` and ``lm_head`` are ``nn.Linear`` weights, stored ``[out, in]`` (JAX: ``[in, out]``);
+* ``conv_w`` is the depthwise ``nn.Conv1d`` weight ``[D, 1, C]`` (JAX: ``[C, D]``);
+* the stacked ``[L, ...]`` layer arrays become ``layers.{i}.*``.
+
+`export.convert.JAX_TO_TORCH` is the conversion table.
+
+State per layer (float32): ``conv [B, C, D]`` (the last C layer-normed inputs, oldest first) and
+``gla [B, H, K, V]``; bytes per sequence ``L * (C*D + H*K*V) * 4``.
+"""
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+def decay_log(num_heads: int, t_min: float, t_max: float) -> list:
+    """γ_h = ln(2^(-1/half_life_h)), half_life_h = t_min (t_max/t_min)^(h/(H-1)) (PARAMS.md)."""
+    out = []
+    for h in range(num_heads):
+        frac = h / (num_heads - 1) if num_heads > 1 else 0.0
+        out.append(-math.log(2.0) / (t_min * (t_max / t_min) ** frac))
+    return out
+
+
+@dataclass
+class LaplaceConfig:
+    vocab_size: int = 50304
+    d_model: int = 3072
+    num_layers: int = 24
+    num_heads: int = 16
+    d_k: int = 96
+    d_v: int = 192
+    qkvg_dim: int = 9216
+    conv_kernel: int = 4
+    ffn_dim: int = 8192
+    decay_tiers: int = 4
+    t_min: float = 1.0
+    t_max: float = 2048.0
+    seq_len: int = 2048
+    num_chunks: int = 16
+    norm_eps: float = 1e-5
+    gla_gamma: list = field(default_factory=list)   # ln λ_h per head; computed when empty
+    eos_token_id: int = 50256
+    bos_token_id: int = 50256
+
+    def __post_init__(self):
+        if not self.gla_gamma:
+            self.gla_gamma = decay_log(self.num_heads, self.t_min, self.t_max)
+        self.gla_gamma = [float(g) for g in self.gla_gamma]
+        problems = []
+        if len(self.gla_gamma) != self.num_heads:
+            problems.append(f"gla_gamma has {len(self.gla_gamma)} entries, num_heads={self.num_heads}")
+        if self.num_heads * self.d_v != self.d_model:
+            problems.append(f"num_heads*d_v={self.num_heads * self.d_v} != d_model={self.d_model}")
+        if self.qkvg_dim != self.num_heads * (2 * self.d_k + 2 * self.d_v):
+            problems.append(f"qkvg_dim={self.qkvg_dim} != H(2d_k+2d_v)="
+                            f"{self.num_heads * (2 * self.d_k + 2 * self.d_v)}")
+        if self.num_heads % self.decay_tiers:
+            problems.append(f"num_heads={self.num_heads} not divisible by decay_tiers={self.decay_tiers}")
+        if problems:
+            raise ValueError("invalid Laplace config: " + "; ".join(problems))
+
+    @property
+    def chunk_size(self) -> int:
+        return self.seq_len // self.num_chunks
+
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        return self.num_layers * (self.conv_kernel * self.d_model
+                                  + self.num_heads * self.d_k * self.d_v) * 4
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LaplaceConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        d = dict(d)
+        if "train_seq_len" in d:   # config.json name (vLLM would read "seq_len" as a length limit)
+            d["seq_len"] = d.pop("train_seq_len")
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    @classmethod
+    def from_model_config(cls, m) -> "LaplaceConfig":
+        """From a `laplace_jax.config.ModelConfig` (or anything with the same attributes)."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"gla_gamma", "eos_token_id", "bos_token_id"}
+        return cls(**{k: getattr(m, k) for k in names if hasattr(m, k)})
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json_dict(self) -> dict:
+        """config.json form: `seq_len` is written as `train_seq_len`."""
+        d = self.to_dict()
+        d["train_seq_len"] = d.pop("seq_len")
+        return d
+
+
+# ----------------------------------------------------------------------------- functional pieces
+# Shared with the vLLM model (export/vllm_model.py); all state math in float32.
+
+def layer_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    mu = xf.mean(-1, keepdim=True)
+    var = (xf - mu).square().mean(-1, keepdim=True)
+    return ((xf - mu) * torch.rsqrt(var + eps) * w.float()).to(x.dtype)
+
+
+def conv_with_state(x: torch.Tensor, window: torch.Tensor, w: torch.Tensor, b: torch.Tensor):
+    """Causal depthwise conv over x [B, S, D] continuing from window [B, C, D] (last C inputs).
+
+    w: [D, 1, C] (Conv1d layout); returns (u [B, S, D], new window [B, C, D])."""
+    C = w.shape[-1]
+    S = x.shape[1]
+    full = torch.cat([window.to(x.dtype), x], dim=1)               # [B, C + S, D]
+    seq = full[:, 1:]                                               # last C-1 of window + x
+    u = F.conv1d(seq.transpose(1, 2), w.to(x.dtype), b.to(x.dtype), groups=w.shape[0])
+    new_window = full[:, S:]                                        # [B, C, D]
+    return u.transpose(1, 2), new_window
+
+
+def gla_chunked(q, k, v, gamma, state, chunk: int = 64):
+    """Simple GLA with fixed per-head decay, chunked, float32.
+
+    q, k: [B, S, H, K]; v: [B, S, H, V]; gamma: [H] (ln λ); state: [B, H, K, V].
+    o_t = K^-0.5 S_t^T q_t with S_t = λ S_{t-1} + k_t v_t^T.  Returns (o [B, S, H, V], state)."""
+    B, S, H, K = q.shape
+    scale = K ** -0.5
+    q = q.float().transpose(1, 2)  # [B, H, S, K]
+    k = k.float().transpose(1, 2)
+    v = v.float().transpose(1, 2)
+    g = gamma.float().view(1, H, 1, 1)
+    st = state.float()
+    outs = []
+    for s0 in range(0, S, chunk):
+        qc, kc, vc = q[:, :, s0:s0 + chunk], k[:, :, s0:s0 + chunk], v[:, :, s0:s0 + chunk]
+        n = qc.shape[2]
+        pos = torch.arange(n, device=q.device, dtype=torch.float32)
+        diff = pos.view(n, 1) - pos.view(1, n)                       # i - j
+        mask = diff >= 0
+        dec = torch.where(mask, torch.exp(g * diff.clamp(min=0)), torch.zeros((), device=q.device))
+        intra = ((qc @ kc.transpose(-1, -2)) * dec) @ vc             # [B, H, n, V]
+        inter = (qc * torch.exp(g * (pos.view(1, 1, n, 1) + 1))) @ st
+        outs.append((intra + inter) * scale)
+        kdec = kc * torch.exp(g * (n - 1 - pos).view(1, 1, n, 1))
+        st = torch.exp(g * n) * st + kdec.transpose(-1, -2) @ vc
+    o = torch.cat(outs, dim=2) if outs else q.new_zeros(B, H, 0, v.shape[-1])
+    return o.transpose(1, 2), st
+
+
+def gla_step(q, k, v, gamma, state):
+    """One recurrent step. q, k: [B, H, K]; v: [B, H, V]; state: [B, H, K, V] (float32)."""
+    K = q.shape[-1]
+    lam = torch.exp(gamma.float()).view(1, -1, 1, 1)
+    st = lam * state.float() + k.float().unsqueeze(-1) * v.float().unsqueeze(-2)
+    o = torch.einsum("bhk,bhkv->bhv", q.float(), st) * K ** -0.5
+    return o, st
+
+
+def mixer_post(q, k, v, gt, o, aug_balance, head_norm, eps):
+    """Self-augmentation + per-tier head RMSNorm + SiLU gate.  All [..., H, *] float32."""
+    H = q.shape[-2]
+    T = head_norm.shape[0]
+    aug = torch.sigmoid((q * aug_balance.float() * k).sum(-1, keepdim=True))
+    o = o + aug * v
+    o = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + eps)
+    w = head_norm.float().repeat_interleave(H // T, dim=0)        # [H, V]
+    o = o * w
+    return o * F.silu(gt)
+
+
+class LaplaceMixerWeights(nn.Module):
+    """Parameters of one token mixer (conv .. w_out), names as in PARAMS.md."""
+
+    def __init__(self, cfg: LaplaceConfig):
+        super().__init__()
+        D, C, H, K, V = cfg.d_model, cfg.conv_kernel, cfg.num_heads, cfg.d_k, cfg.d_v
+        self.conv = nn.Conv1d(D, D, C, groups=D, bias=True)   # conv.weight [D,1,C], conv.bias [D]
+        self.w_qkvg = nn.Linear(D, cfg.qkvg_dim, bias=False)
+        self.aug_balance = nn.Parameter(torch.zeros(H, K))
+        self.head_norm = nn.Parameter(torch.ones(cfg.decay_tiers, V))
+        self.w_out = nn.Linear(D, D, bias=False)
+        self.register_buffer("gamma", torch.tensor(cfg.gla_gamma, dtype=torch.float32), persistent=False)
+        self.H, self.K, self.V, self.eps = H, K, V, cfg.norm_eps
+
+    def split(self, u):
+        H, K, V = self.H, self.K, self.V
+        qkvg = self.w_qkvg(u).float()
+        q, k, v, g = torch.split(qkvg, [H * K, H * K, H * V, H * V], dim=-1)
+        shp = qkvg.shape[:-1]
+        return (q.reshape(*shp, H, K), k.reshape(*shp, H, K),
+                v.reshape(*shp, H, V), g.reshape(*shp, H, V))
+
+    def forward_seq(self, xn, conv_state, gla_state, chunk: int = 64):
+        """xn: layer-normed input [B, S, D]. Returns (out [B, S, D], conv_state, gla_state)."""
+        u, conv_state = conv_with_state(xn, conv_state, self.conv.weight, self.conv.bias)
+        q, k, v, g = self.split(F.silu(u))
+        o, gla_state = gla_chunked(q, k, v, self.gamma, gla_state, chunk)
+        o = mixer_post(q, k, v, g, o, self.aug_balance, self.head_norm, self.eps)
+        out = self.w_out(o.reshape(*o.shape[:-2], -1).to(xn.dtype))
+        return out, conv_state, gla_state
+
+    def forward_step(self, xn, conv_state, gla_state):
+        """xn: [B, D] one token per sequence. Returns (out [B, D], conv_state, gla_state)."""
+        window = torch.cat([conv_state[:, 1:].to(xn.dtype), xn.unsqueeze(1)], dim=1)   # [B, C, D]
+        w = self.conv.weight[:, 0, :].t().to(xn.dtype)                                   # [C, D]
+        u = (window * w).sum(1) + self.conv.bias.to(xn.dtype)
+        q, k, v, g = self.split(F.silu(u))
+        o, gla_state = gla_step(q, k, v, self.gamma, gla_state)
+        o = mixer_post(q, k, v, g, o, self.aug_balance, self.head_norm, self.eps)
+        out = self.w_out(o.reshape(o.shape[0], -1).to(xn.dtype))
+        return out, window.float(), gla_state
+
+
+class _Norm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+
+class LaplaceBlock(nn.Module):
+    def __init__(self, cfg: LaplaceConfig):
+        super().__init__()
+        self.attn_norm = _Norm(cfg.d_model)
+        self.mixer = LaplaceMixerWeights(cfg)
+        self.ffn_norm = _Norm(cfg.d_model)
+        self.w_12 = nn.Linear(cfg.d_model, 2 * cfg.ffn_dim, bias=False)
+        self.w_3 = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+        self.eps = cfg.norm_eps
+
+    def ffn(self, x):
+        z = layer_norm(x, self.ffn_norm.weight, self.eps)
+        a, b = self.w_12(z).chunk(2, dim=-1)
+        return self.w_3(F.silu(a) * b)
+
+
+class LaplaceForCausalLM(nn.Module):
+    """Full-sequence forward (chunked GLA) and recurrent decode with a fixed-size state."""
+
+    def __init__(self, cfg: LaplaceConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(LaplaceBlock(cfg) for _ in range(cfg.num_layers))
+        self.final_norm = _Norm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    # -- state
+    def init_state(self, batch: int, device=None) -> list:
+        c = self.config
+        device = device or self.embed.weight.device
+        return [{"conv": torch.zeros(batch, c.conv_kernel, c.d_model, device=device),
+                 "gla": torch.zeros(batch, c.num_heads, c.d_k, c.d_v, device=device)}
+                for _ in range(c.num_layers)]
+
+    # -- forward
+    def forward(self, tokens: torch.Tensor, state: Optional[list] = None, chunk: Optional[int] = None):
+        """tokens [B, S] → (logits [B, S, N] float32, new state). Continues from `state` if given."""
+        B = tokens.shape[0]
+        if state is None:
+            state = self.init_state(B, tokens.device)
+        chunk = chunk or max(1, self.config.chunk_size)
+        x = self.embed(tokens)
+        new_state = []
+        for blk, st in zip(self.layers, state):
+            xn = layer_norm(x, blk.attn_norm.weight, blk.eps)
+            out, conv, gla = blk.mixer.forward_seq(xn, st["conv"], st["gla"], chunk)
+            x = x + out
+            x = x + blk.ffn(x)
+            new_state.append({"conv": conv.float(), "gla": gla})
+        x = layer_norm(x, self.final_norm.weight, self.config.norm_eps)
+        return self.lm_head(x).float(), new_state
+
+    def decode_step(self, tokens: torch.Tensor, state: list):
+        """tokens [B] → (logits [B, N] float32, new state): one recurrent step."""
+        x = self.embed(tokens)
+        new_state = []
+        for blk, st in zip(self.layers, state):
+            xn = layer_norm(x, blk.attn_norm.weight, blk.eps)
+            out, conv, gla = blk.mixer.forward_step(xn, st["conv"], st["gla"])
+            x = x + out
+            x = x + blk.ffn(x)
+            new_state.append({"conv": conv, "gla": gla})
+        x = layer_norm(x, self.final_norm.weight, self.config.norm_eps)
+        return self.lm_head(x).float(), new_state
+
+    @torch.no_grad()
+    def generate(self, prompt: list, max_new_tokens: int, eos_token_id: Optional[int] = None) -> list:
+        """Greedy decoding of one prompt (list of ids) → list of new ids (stops at eos if given)."""
+        dev = self.embed.weight.device
+        logits, state = self.forward(torch.tensor([prompt], device=dev))
+        out = []
+        nxt = int(logits[0, -1].argmax())
+        for _ in range(max_new_tokens):
+            out.append(nxt)
+            if eos_token_id is not None and nxt == eos_token_id:
+                break
+            if len(out) == max_new_tokens:
+                break
+            logits, state = self.decode_step(torch.tensor([nxt], device=dev), state)
+            nxt = int(logits[0].argmax())
+        return out
+
+    # -- loading
+    def expected_shapes(self) -> dict:
+        return {k: tuple(v.shape) for k, v in self.state_dict().items()}
+
+    @classmethod
+    def from_pretrained(cls, path, dtype: torch.dtype = torch.float32, device="cpu") -> "LaplaceForCausalLM":
+        from safetensors.torch import load_file
+
+        cfg_path = os.path.join(path, CONFIG_NAME)
+        w_path = os.path.join(path, WEIGHTS_NAME)
+        for p in (cfg_path, w_path):
+            if not os.path.isfile(p):
+                raise FileNotFoundError(f"{p}: missing; export a checkpoint with `python -m export`")
+        with open(cfg_path) as f:
+            cfg = LaplaceConfig.from_dict(json.load(f))
+        with torch.device("meta"):
+            model = cls(cfg)
+        tensors = load_file(w_path)
+        check_state_dict(model.expected_shapes(), {k: tuple(v.shape) for k, v in tensors.items()}, path)
+        model = cls(cfg)
+        model.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()}, strict=True)
+        return model.to(device=device, dtype=dtype).eval()
+
+
+def check_state_dict(expected: dict, found: dict, where: str = "") -> None:
+    """Raise ValueError naming missing / unexpected / mis-shaped tensors."""
+    missing = sorted(set(expected) - set(found))
+    extra = sorted(set(found) - set(expected))
+    bad = sorted(k for k in set(expected) & set(found) if tuple(expected[k]) != tuple(found[k]))
+    if not (missing or extra or bad):
+        return
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} missing (e.g. {', '.join(missing[:3])})")
+    if extra:
+        parts.append(f"{len(extra)} unexpected (e.g. {', '.join(extra[:3])})")
+    if bad:
+        parts.append("shape mismatch: " + ", ".join(
+            f"{k} is {list(found[k])}, config wants {list(expected[k])}" for k in bad[:3]))
+    raise ValueError(f"{where}/{WEIGHTS_NAME} does not match {where}/{CONFIG_NAME}: "
+                     + "; ".join(parts) + " — re-export the checkpoint or fix config.json")

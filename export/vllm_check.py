@@ -1,0 +1,103 @@
+"""Run an exported Laplace folder through stock vLLM offline and print token ids as JSON.
+
+    python -m export.vllm_check --model DIR --prompts '[[50256], [1, 2, 3]]' [--max-tokens 48]
+        [--dtype float32] [--max-num-seqs N] [--max-num-batched-tokens N] [--compile]
+        [--staggered K] [--state-bytes] [--out FILE]
+
+Used by tests/test_vllm.py (vLLM starts worker processes, so it runs in its own process) and
+handy on a GPU machine.  Output: {"outputs": [[ids...], ...], "state_bytes_per_seq": int|null}.
+`--staggered K` adds the first K prompts, runs a few engine steps, then adds the rest while
+those decode.
+"""
+import argparse
+import json
+import os
+import sys
+
+
+def _state_bytes(worker):
+    """Runs in the vLLM worker: bytes of recurrent state one sequence slot holds, over all layers."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+    model = worker.model_runner.model
+    total = 0
+    shapes = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, MambaBase):
+            for t in mod.kv_cache:
+                total += t[0].numel() * t.element_size()
+                shapes.append([name, list(t.shape), str(t.dtype)])
+    return {"bytes": total, "shapes": shapes}
+
+
+def run(model, prompts, max_tokens=48, dtype="float32", max_num_seqs=8, max_num_batched_tokens=None,
+        compile=False, staggered=0, state_bytes=False, max_model_len=1024):
+    from vllm import LLM, SamplingParams
+
+    kw = dict(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+              enforce_eager=not compile, seed=0)
+    if max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = max_num_batched_tokens
+        kw["enable_chunked_prefill"] = True
+    llm = LLM(**kw)
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    res = {"outputs": None, "state_bytes_per_seq": None}
+    if staggered:
+        eng = llm.llm_engine
+        done = {}
+        for i, p in enumerate(prompts[:staggered]):
+            eng.add_request(str(i), {"prompt_token_ids": p}, sp)
+        steps = 0
+        pending = list(enumerate(prompts))[staggered:]
+        while eng.has_unfinished_requests() or pending:
+            for o in eng.step():
+                if o.finished:
+                    done[int(o.request_id)] = list(o.outputs[0].token_ids)
+            steps += 1
+            if steps == 3 and pending:           # others are decoding now
+                for i, p in pending:
+                    eng.add_request(str(i), {"prompt_token_ids": p}, sp)
+                pending = []
+        res["outputs"] = [done[i] for i in range(len(prompts))]
+    else:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        res["outputs"] = [list(o.outputs[0].token_ids) for o in outs]
+    if state_bytes:
+        info = llm.collective_rpc(_state_bytes)[0]
+        res["state_bytes_per_seq"] = info["bytes"]
+        res["state_shapes"] = info["shapes"]
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m export.vllm_check")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prompts", required=True, help="JSON list of token-id lists, or @file")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--compile", action="store_true", help="torch.compile path (default: eager)")
+    ap.add_argument("--staggered", type=int, default=0)
+    ap.add_argument("--state-bytes", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    text = a.prompts
+    if text.startswith("@"):
+        with open(text[1:]) as f:
+            text = f.read()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if a.state_bytes:
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    res = run(a.model, json.loads(text), a.max_tokens, a.dtype, a.max_num_seqs, a.max_num_batched_tokens,
+              a.compile, a.staggered, a.state_bytes, a.max_model_len)
+    s = json.dumps(res)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(s)
+    print("VLLM_CHECK_RESULT " + s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""vLLM general plugin: makes stock vLLM serve exported Laplace folders with no flags.
+
+Registered as the `vllm.general_plugins` entry point `laplace = export.vllm_plugin:register`.
+vLLM calls `register()` in every process it starts; it is idempotent.
+"""
+
+ARCH = "LaplaceForCausalLM"
+MODEL_TYPE = "laplace"
+_done = False
+
+
+def register() -> None:
+    global _done
+    if _done:
+        return
+    from transformers import AutoConfig
+
+    from export.hf_config import LaplaceHFConfig
+
+    try:
+        AutoConfig.register(MODEL_TYPE, LaplaceHFConfig)
+    except ValueError:  # already registered (e.g. by an earlier import in this process)
+        pass
+
+    from vllm import ModelRegistry
+
+    if ARCH not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCH, "export.vllm_model:LaplaceForCausalLM")
+
+    # mamba_block_size etc. are set by vLLM's own hook for attention-free state models
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP, MambaModelConfig
+    MODELS_CONFIG_MAP.setdefault(ARCH, MambaModelConfig)
+    _done = True

@@ -1,0 +1,298 @@
+"""grain input pipeline over prepared token shards (see `laplace_jax.data.prepare`).
+
+Pipeline (train)::
+
+    TokenWindows(split)                 random access; element k = tokens[k*seq_len : k*seq_len + seq_len + 1]
+    -> shuffle(seed)                    grain global index shuffle, reseeded per epoch (seed + epoch)
+    -> repeat()                         unlimited steps
+    -> shard by process                 contiguous row blocks of each global batch, see below
+    -> batch(batch_size)                per-process batch
+    -> {"inputs": w[:, :-1], "targets": w[:, 1:]}   int32 [batch_size, seq_len]
+    -> to_iter_dataset(threads) [-> mp_prefetch(num_workers)]
+
+Windows. A split's shards are one concatenated token stream (documents separated by EOS, documents
+may straddle shards), so windows cross shard boundaries. Windows are non-overlapping in their first
+seq_len tokens (stride seq_len); window k's last token is window k+1's first, so every token of the
+stream is a target exactly once per epoch. ``num_windows = (tokens - 1) // seq_len``; the tail is
+dropped.
+
+Process sharding. With P processes and per-process batch B, global batch s is the elements
+``s*B*P ... s*B*P + B*P - 1`` of the shuffled stream and process p gets rows ``p*B ... p*B + B - 1``
+of it. So the processes' batches are disjoint, together they are exactly the batch a single process
+with batch_size B*P would see (same rows, same order), and assembling them in process order (e.g.
+`jax.make_array_from_process_local_data`) gives the same global array.
+
+State. The returned iterator is a `grain.DatasetIterator`; its state is a small JSON-able dict
+(``{"next_index": n}`` for threads; per-worker states with worker processes). Save/restore it with
+`iterator_state(it)` / `restore_iterator(it, state)`, or inside an orbax `CheckpointManager` with
+grain's handler: ``item_handlers={"data": grain.checkpoint.CheckpointHandler()}`` and
+``args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it))`` on save,
+``data=grain.checkpoint.CheckpointRestore(it)`` on restore (it writes one
+``process_<i>-of-<n>.json`` per process, using jax's process index).
+
+Resume needs the same data folder, seq_len, batch_size, seed, process_count and num_workers (the
+state of a worker-process iterator has a different layout from a thread iterator's).
+
+Worker processes (``num_workers > 0``) use grain's ``mp_prefetch``, which starts processes: the
+caller's entry point must be guarded by ``if __name__ == "__main__":`` and, when absl is in use,
+absl flags must be parsed or marked parsed before iterating (``absl.flags.FLAGS.mark_as_parsed()``);
+`make_train_iterator` marks them parsed if nobody did. The output does not depend on
+``num_workers`` (batching happens before the prefetch), so it is a pure speed knob. Call
+``it.close()`` on such an iterator (and drop it) before the interpreter exits; otherwise grain's
+finalizers print harmless tracebacks at shutdown.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import grain
+import numpy as np
+
+from laplace_jax.data.corpus import DataError
+from laplace_jax.data.prepare import DTYPE, FORMAT, MANIFEST, SPLITS
+
+_PREPARE_HINT = "python -m laplace_jax.data.prepare --input PATH --out DIR"
+
+
+def _fix(data_dir: Path) -> str:
+    return f"run `{_PREPARE_HINT.replace('DIR', str(data_dir))}` (or leave data.path empty for the demo corpus)"
+
+
+def load_manifest(data_dir: str | os.PathLike[str]) -> dict:
+    """The manifest of a prepared folder; `DataError` (one line naming the fix) if there is none."""
+    d = Path(data_dir).expanduser()
+    if not str(data_dir):
+        raise DataError(f"no data path given: {_fix(Path('DIR'))}")
+    if not d.exists():
+        raise DataError(f"data path {str(d)!r} does not exist: {_fix(d)}")
+    if not d.is_dir():
+        raise DataError(f"data path {str(d)!r} is not a directory of token shards: {_fix(d)}")
+    p = d / MANIFEST
+    if not p.is_file():
+        what = "is empty" if not any(d.iterdir()) else f"has no {MANIFEST}"
+        raise DataError(f"data path {str(d)!r} {what}: {_fix(d)}")
+    try:
+        m = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DataError(f"{p} is unreadable ({type(e).__name__}): re-run `{_PREPARE_HINT} --force`") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("dtype") != DTYPE:
+        raise DataError(f"{p} is not a {FORMAT} manifest with dtype {DTYPE}: re-run `{_PREPARE_HINT} --force`")
+    return m
+
+
+class TokenWindows:
+    """Random-access grain source: windows of ``seq_len + 1`` tokens of one split (see module doc).
+
+    Validated on open: manifest present, shard files complete, no token id >= `vocab_size`.
+    Memmaps are opened lazily per process, so the source pickles cheaply into grain workers.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike[str], split: str, *, seq_len: int, vocab_size: int):
+        if split not in SPLITS:
+            raise DataError(f"unknown split {split!r}: choose one of {SPLITS}")
+        if seq_len <= 0:
+            raise DataError(f"seq_len={seq_len}: must be positive")
+        self.data_dir = Path(data_dir).expanduser().resolve() if str(data_dir) else Path(data_dir)
+        self.manifest = load_manifest(data_dir)
+        self.split, self.seq_len, self.vocab_size = split, int(seq_len), int(vocab_size)
+        info = self.manifest["splits"][split]
+        self.files = [self.data_dir / s["file"] for s in info["shards"]]
+        sizes = [int(s["tokens"]) for s in info["shards"]]
+        self.num_tokens = int(sum(sizes))
+        self._ends = np.cumsum(sizes, dtype=np.int64)
+        self._starts = self._ends - np.asarray(sizes, dtype=np.int64)
+        if self.num_tokens < self.seq_len + 1:
+            raise DataError(f"the {split} split of {self.data_dir} has {self.num_tokens} tokens, fewer than "
+                            f"seq_len+1={self.seq_len + 1}: prepare more text or use a shorter seq_len")
+        for f, n in zip(self.files, sizes):
+            if not f.is_file() or f.stat().st_size != 2 * n:
+                raise DataError(f"shard {f} is missing or truncated (want {n} tokens): "
+                                f"re-run `{_PREPARE_HINT.replace('DIR', str(self.data_dir))} --force`")
+        self._maps: list[np.memmap] | None = None
+        for f, m in zip(self.files, self._memmaps()):
+            top = int(np.max(m))
+            if top >= self.vocab_size:
+                raise DataError(f"shard {f} holds token id {top} >= model vocab_size {self.vocab_size}: "
+                                f"re-tokenize with `{_PREPARE_HINT}` (GPT-2 BPE) or raise model.vocab_size")
+        self.num_windows = (self.num_tokens - 1) // self.seq_len
+
+    def _memmaps(self) -> list[np.memmap]:
+        if self._maps is None:
+            self._maps = [np.memmap(f, dtype="<u2", mode="r") for f in self.files]
+        return self._maps
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_maps"] = None
+        return state
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def __getitem__(self, k: int) -> np.ndarray:
+        k = int(k)
+        if not 0 <= k < self.num_windows:
+            raise IndexError(f"window {k} out of range [0, {self.num_windows})")
+        start = k * self.seq_len
+        stop = start + self.seq_len + 1
+        maps = self._memmaps()
+        i = int(np.searchsorted(self._ends, start, side="right"))
+        out = np.empty(self.seq_len + 1, dtype=np.int32)
+        pos = 0
+        while pos < out.size:
+            lo = start + pos - int(self._starts[i])
+            take = min(out.size - pos, int(self._ends[i] - self._starts[i]) - lo)
+            out[pos:pos + take] = maps[i][lo:lo + take]
+            pos += take
+            i += 1
+        assert stop == start + pos
+        return out
+
+    def __repr__(self) -> str:
+        return (f"TokenWindows({str(self.data_dir)!r}, {self.split!r}, seq_len={self.seq_len}, "
+                f"windows={self.num_windows}, tokens={self.num_tokens})")
+
+
+# ----------------------------------------------------------------------------- grain pipeline
+
+def _block_index(i: int, batch_size: int, process_index: int, process_count: int) -> int:
+    """Process-local element i → element of the global (all-process) stream."""
+    step, row = divmod(int(i), batch_size)
+    return step * batch_size * process_count + process_index * batch_size + row
+
+
+def _to_example(window_batch: np.ndarray) -> dict[str, np.ndarray]:
+    w = np.asarray(window_batch, dtype=np.int32)
+    return {"inputs": np.ascontiguousarray(w[:, :-1]), "targets": np.ascontiguousarray(w[:, 1:])}
+
+
+def _own_arrays(example: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: np.array(v, copy=True) for k, v in example.items()}
+
+
+class ProcessBlocks(grain.MapDataset):
+    """Process p's share of each global batch: rows p*B .. p*B+B-1 (see module doc)."""
+
+    def __init__(self, parent, batch_size: int, process_index: int, process_count: int):
+        super().__init__(parent)
+        self._b, self._p, self._n = int(batch_size), int(process_index), int(process_count)
+
+    def __len__(self) -> int:
+        return (len(self._parent) // (self._b * self._n)) * self._b
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.slice(index)
+        return self._parent[_block_index(index, self._b, self._p, self._n)]
+
+    def __str__(self) -> str:
+        return f"ProcessBlocks(batch_size={self._b}, process={self._p}/{self._n})"
+
+
+def _mark_absl_flags_parsed() -> None:
+    try:
+        from absl import flags
+    except ModuleNotFoundError:
+        return
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+
+
+def make_train_dataset(data_dir: str | os.PathLike[str], *, seq_len: int, batch_size: int, seed: int,
+                       process_index: int = 0, process_count: int = 1, num_workers: int = 0,
+                       prefetch: int = 2, vocab_size: int, split: str = "train", shuffle: bool = True):
+    """The grain `IterDataset` behind `make_train_iterator` (iterate it, or call `iter()` on it)."""
+    if batch_size <= 0:
+        raise DataError(f"batch_size={batch_size}: must be positive")
+    if not (process_count >= 1 and 0 <= process_index < process_count):
+        raise DataError(f"process_index={process_index}, process_count={process_count}: "
+                        f"need 0 <= process_index < process_count")
+    if not 0 <= seed < 2 ** 32:
+        raise DataError(f"seed={seed}: must be in [0, 2**32)")
+    source = TokenWindows(data_dir, split, seq_len=seq_len, vocab_size=vocab_size)
+    if source.num_windows < batch_size * process_count:
+        raise DataError(f"the {split} split of {source.data_dir} has {source.num_windows} windows of "
+                        f"{seq_len + 1} tokens, fewer than one global batch ({batch_size}x{process_count}): "
+                        f"prepare more text or use a smaller batch/seq_len")
+    ds = grain.MapDataset.source(source)
+    if shuffle:
+        ds = ds.shuffle(seed=int(seed))
+    ds = ds.repeat(None)
+    ds = ProcessBlocks(ds, batch_size, process_index, process_count)
+    ds = ds.batch(batch_size, drop_remainder=True)
+    ds = ds.map(_to_example)
+    prefetch = max(0, int(prefetch))
+    it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=min(prefetch, 4), prefetch_buffer_size=prefetch))
+    if num_workers > 0:
+        _mark_absl_flags_parsed()
+        it_ds = it_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=int(num_workers),
+                                                                per_worker_buffer_size=max(1, prefetch)))
+        it_ds = it_ds.map(_own_arrays)   # copy out of grain's shared memory blocks (frees them at once)
+    return it_ds
+
+
+def make_train_iterator(data_dir: str | os.PathLike[str], *, seq_len: int, batch_size: int, seed: int,
+                        process_index: int = 0, process_count: int = 1, num_workers: int = 0,
+                        prefetch: int = 2, vocab_size: int):
+    """Unlimited iterator of dict(inputs=int32 [batch_size, seq_len], targets=int32 [batch_size, seq_len]).
+
+    `batch_size` is per process. Returns a `grain.DatasetIterator` (has get_state/set_state); see the
+    module doc for sharding, resume and worker-process notes.
+    """
+    return iter(make_train_dataset(data_dir, seq_len=seq_len, batch_size=batch_size, seed=seed,
+                                   process_index=process_index, process_count=process_count,
+                                   num_workers=num_workers, prefetch=prefetch, vocab_size=vocab_size))
+
+
+def make_eval_batches(data_dir: str | os.PathLike[str], *, seq_len: int, batch_size: int, num_batches: int,
+                      vocab_size: int, process_index: int = 0, process_count: int = 1,
+                      split: str = "val") -> list[dict[str, np.ndarray]]:
+    """`num_batches` deterministic batches from the held-out split (windows in order, no shuffle).
+
+    Same process-block layout as training. If the split has fewer windows than
+    num_batches*batch_size*process_count, windows repeat (cyclically) to fill the batches.
+    """
+    if batch_size <= 0 or num_batches <= 0:
+        raise DataError(f"batch_size={batch_size}, num_batches={num_batches}: must be positive")
+    source = TokenWindows(data_dir, split, seq_len=seq_len, vocab_size=vocab_size)
+    out = []
+    for b in range(num_batches):
+        rows = [source[_block_index(b * batch_size + j, batch_size, process_index, process_count)
+                       % source.num_windows] for j in range(batch_size)]
+        out.append(_to_example(np.stack(rows)))
+    return out
+
+
+# ----------------------------------------------------------------------------- state
+
+def iterator_state(it) -> bytes:
+    """The iterator's position as JSON bytes (store it next to a checkpoint)."""
+    return json.dumps(it.get_state(), sort_keys=True).encode()
+
+
+def restore_iterator(it, state: bytes | str | dict[str, Any]):
+    """Put `it` (a fresh iterator of the same pipeline) at the saved position; returns `it`."""
+    if isinstance(state, (bytes, bytearray)):
+        state = state.decode()
+    if isinstance(state, str):
+        state = json.loads(state)
+    it.set_state(state)
+    return it
+
+
+def orbax_handler():
+    """grain's orbax handler (`grain.checkpoint.CheckpointHandler`) plus its save/restore args classes."""
+    return grain.checkpoint.CheckpointHandler, grain.checkpoint.CheckpointSave, grain.checkpoint.CheckpointRestore
+
+
+def resolve_data_dir(path: str | os.PathLike[str] = "", *, val_fraction: float = 0.02) -> Path:
+    """`data.path` → a prepared folder: "" means the built-in demo corpus (prepared once, cached)."""
+    if not str(path):
+        from laplace_jax.data.prepare import ensure_demo_data
+        return ensure_demo_data(val_fraction=val_fraction, progress=sys.stderr.isatty())
+    load_manifest(path)
+    return Path(path).expanduser()

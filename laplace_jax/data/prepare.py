@@ -1,0 +1,396 @@
+"""Tokenize text into uint16 GPT-2 token shards with a held-out split and a JSON manifest.
+
+    python -m laplace_jax.data.prepare --input PATH [PATH ...] --out DIR \
+        [--val-fraction 0.02] [--workers 2] [--shard-tokens 100000000] [--force] [--quiet]
+
+Inputs: ``.txt``, ``.jsonl`` (``text`` field), ``.parquet`` (``text`` column, FineWeb-edu layout;
+needs pyarrow), ``.json`` (the demo corpus layout), directories of those, or ``demo`` (the built-in
+corpus). See `laplace_jax.data.corpus` for what counts as a document.
+
+Output in DIR:
+
+* ``train_00000.bin``, ``train_00001.bin``, ... and ``val_00000.bin``, ...: raw little-endian uint16
+  token ids; every document is followed by ``<|endoftext|>`` (50256). A split's shards concatenated
+  are one token stream; a shard holds exactly ``shard_tokens`` tokens except the split's last one
+  (documents may straddle shards).
+* ``manifest.json``: tokenizer, vocab size, dtype, token/document counts per split and per shard,
+  source paths with sizes and mtimes, and the settings.
+
+The held-out split is by document and deterministic: with f = val_fraction, document i (0-based, in
+input order, after skipping whitespace-only ones) is held out iff ceil(i f) != ceil((i + 1) f), i.e.
+document 0 and then every ~1/f-th document, ceil(n f) in all.
+
+Re-running with the same inputs (same paths, sizes, mtimes) and settings is a no-op. A run writes
+into a temporary folder inside DIR and moves the files into place only after it finished; the
+manifest is written last, so an interrupted run never leaves a folder that looks valid.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import fcntl
+import json
+import math
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import time
+from fractions import Fraction
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from laplace_jax.data.corpus import DataError, demo_corpus_path, expand_inputs, iter_documents, DEMO_CREDIT
+
+MANIFEST = "manifest.json"
+FORMAT = "laplace_jax.tokens/v1"
+DTYPE = "uint16"
+SPLITS = ("train", "val")
+DEFAULT_SHARD_TOKENS = 100_000_000
+DEFAULT_VAL_FRACTION = 0.02
+_CHUNK_CHARS = 1 << 20   # characters of text per tokenization task
+_CHUNK_DOCS = 512
+
+
+# ----------------------------------------------------------------------------- tokenization
+
+def _init_worker() -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
+
+
+def _encode_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Texts → (uint16 tokens with EOS after each document, int64 per-document lengths incl. EOS)."""
+    from laplace_jax.data.tokenizer import get_tokenizer
+    tok = get_tokenizer()
+    ids = tok.encode_batch(texts)
+    lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
+    out = np.empty(int(lengths.sum()), dtype=np.uint16)
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    for s, e, x in zip(starts, ends, ids):
+        out[s:e - 1] = x
+        out[e - 1] = tok.eos_id
+    return out, lengths
+
+
+def _chunks(docs: Iterable[str]) -> Iterator[list[str]]:
+    buf, size = [], 0
+    for d in docs:
+        buf.append(d)
+        size += len(d)
+        if size >= _CHUNK_CHARS or len(buf) >= _CHUNK_DOCS:
+            yield buf
+            buf, size = [], 0
+    if buf:
+        yield buf
+
+
+def _tokenize(docs: Iterable[str], workers: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Tokenized chunks in input order; `workers` > 1 spreads chunks over spawned processes."""
+    chunks = _chunks(docs)
+    if workers <= 1:
+        for c in chunks:
+            yield _encode_chunk(c)
+        return
+    # spawn, not fork: the parent may have started JAX / tokenizer threads.
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(workers, initializer=_init_worker) as pool:
+        pending: collections.deque = collections.deque()
+        for c in chunks:                      # bounded window keeps memory flat on huge corpora
+            pending.append(pool.apply_async(_encode_chunk, (c,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+# ----------------------------------------------------------------------------- writing
+
+class _SplitWriter:
+    """Appends uint16 tokens to `<split>_NNNNN.bin` files of at most `shard_tokens` tokens each."""
+
+    def __init__(self, folder: Path, split: str, shard_tokens: int):
+        self.folder, self.split, self.shard_tokens = folder, split, shard_tokens
+        self.shards: list[dict] = []
+        self.documents = 0
+        self._f = None
+        self._n = 0
+
+    def write(self, tokens: np.ndarray) -> None:
+        while tokens.size:
+            if self._f is None:
+                name = f"{self.split}_{len(self.shards):05d}.bin"
+                self._f = open(self.folder / name, "wb")
+                self.shards.append({"file": name, "tokens": 0})
+                self._n = 0
+            take = tokens[: self.shard_tokens - self._n]
+            self._f.write(take.astype("<u2", copy=False).tobytes())
+            self._n += take.size
+            self.shards[-1]["tokens"] = self._n
+            tokens = tokens[take.size:]
+            if self._n == self.shard_tokens:
+                self._close_file()
+
+    def _close_file(self) -> None:
+        if self._f is not None:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+            self._f = None
+
+    def close(self) -> dict:
+        self._close_file()
+        return {"documents": self.documents, "tokens": sum(s["tokens"] for s in self.shards),
+                "shards": self.shards}
+
+
+def _is_val(i: int, frac: Fraction) -> bool:
+    return frac > 0 and math.ceil(i * frac) != math.ceil((i + 1) * frac)
+
+
+# ----------------------------------------------------------------------------- manifest
+
+def _source_info(files: Sequence[Path]) -> list[dict]:
+    out = []
+    for f in files:
+        st = f.stat()
+        out.append({"path": str(f), "format": f.suffix.lstrip("."), "bytes": st.st_size,
+                    "mtime_ns": st.st_mtime_ns})
+    return out
+
+
+def _fingerprint(sources: list[dict], val_fraction: float, shard_tokens: int) -> dict:
+    from laplace_jax.data.tokenizer import TOKENIZER_NAME
+    return {"format": FORMAT, "tokenizer": TOKENIZER_NAME, "val_fraction": float(val_fraction),
+            "shard_tokens": int(shard_tokens), "sources": sources}
+
+
+def read_manifest(out_dir: str | os.PathLike[str]) -> dict | None:
+    """The manifest of a prepared folder, or None if absent/unreadable."""
+    p = Path(out_dir) / MANIFEST
+    try:
+        m = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return m if isinstance(m, dict) and m.get("format") == FORMAT else None
+
+
+def _shards_intact(out: Path, manifest: dict) -> bool:
+    try:
+        for split in SPLITS:
+            for s in manifest["splits"][split]["shards"]:
+                if (out / s["file"]).stat().st_size != 2 * s["tokens"]:
+                    return False
+    except (OSError, KeyError, TypeError):
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- prepare
+
+def _log(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def prepare(inputs, out_dir: str | os.PathLike[str], *, val_fraction: float = DEFAULT_VAL_FRACTION,
+            workers: int = 2, shard_tokens: int = DEFAULT_SHARD_TOKENS, force: bool = False,
+            progress: bool = True) -> dict:
+    """Tokenize `inputs` (paths, see module doc) into shards in `out_dir`; returns the manifest.
+
+    Idempotent: if `out_dir` already holds a manifest for the same inputs and settings (and its
+    shards are intact), nothing is done and that manifest is returned. Raises `DataError` (one line)
+    on a missing/empty/malformed input; an existing output is never touched by a failed run.
+    """
+    if not 0 <= val_fraction < 1:
+        raise DataError(f"--val-fraction {val_fraction}: must be in [0, 1)")
+    if shard_tokens <= 0:
+        raise DataError(f"--shard-tokens {shard_tokens}: must be positive")
+    files = expand_inputs(inputs)
+    for f in files:
+        if f.stat().st_size == 0:
+            raise DataError(f"input {str(f)!r} is empty: remove it from --input or fill it with text")
+    sources = _source_info(files)
+    fp = _fingerprint(sources, val_fraction, shard_tokens)
+    out = Path(out_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {str(out)!r} is a file: give a directory path")
+    out.mkdir(parents=True, exist_ok=True)
+    quiet = not progress
+
+    with open(out / ".prepare.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # concurrent callers (e.g. 2 local processes) wait here
+        old = read_manifest(out)
+        if not force and old is not None and old.get("fingerprint") == fp and _shards_intact(out, old):
+            _log(f"prepare: {out} is up to date ({old['splits']['train']['tokens']:,} train / "
+                 f"{old['splits']['val']['tokens']:,} val tokens); nothing to do", quiet)
+            return old
+        tmp = Path(tempfile.mkdtemp(prefix=".prepare-tmp-", dir=out))
+        try:
+            manifest = _write_shards(files, tmp, fp, val_fraction, workers, shard_tokens, progress)
+            _install(tmp, out, manifest)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    _log(f"prepare: wrote {out}: {manifest['splits']['train']['tokens']:,} train tokens "
+         f"({manifest['splits']['train']['documents']:,} docs), {manifest['splits']['val']['tokens']:,} "
+         f"val tokens ({manifest['splits']['val']['documents']:,} docs)", quiet)
+    return manifest
+
+
+def _write_shards(files, tmp: Path, fp: dict, val_fraction: float, workers: int, shard_tokens: int,
+                  progress: bool) -> dict:
+    from laplace_jax.data import tokenizer as tkz   # constants only: workers build the tokenizer
+    frac = Fraction(val_fraction).limit_denominator(1_000_000)
+    writers = {s: _SplitWriter(tmp, s, shard_tokens) for s in SPLITS}
+    t0 = time.time()
+    bar = _progress_bar(progress)
+    doc_index, total, max_id = 0, 0, -1
+    try:
+        for tokens, lengths in _tokenize(iter_documents(files), max(1, int(workers))):
+            max_id = max(max_id, int(tokens.max()))
+            ends = np.cumsum(lengths)
+            start = 0
+            # consecutive documents of the same split are written in one call
+            split_of = ["val" if _is_val(doc_index + j, frac) else "train" for j in range(len(lengths))]
+            j = 0
+            while j < len(lengths):
+                k = j
+                while k + 1 < len(lengths) and split_of[k + 1] == split_of[j]:
+                    k += 1
+                stop = int(ends[k])
+                writers[split_of[j]].write(tokens[start:stop])
+                writers[split_of[j]].documents += k - j + 1
+                start, j = stop, k + 1
+            doc_index += len(lengths)
+            total += tokens.size
+            bar.update(len(lengths))
+            bar.set_postfix_str(f"{total:,} tokens", refresh=False)
+    finally:
+        bar.close()
+        splits = {s: w.close() for s, w in writers.items()}
+    if doc_index == 0:
+        raise DataError(f"the inputs hold no text ({', '.join(str(f) for f in files)}): "
+                        f"give files with non-empty documents")
+    if splits["train"]["tokens"] == 0:
+        raise DataError(f"all {doc_index} document(s) went to the held-out split: "
+                        f"lower --val-fraction or give more documents")
+    if frac > 0 and splits["val"]["tokens"] == 0:  # cannot happen (document 0 is held out); kept as a guard
+        raise DataError("the held-out split is empty: give at least 2 documents or pass --val-fraction 0")
+    if max_id >= 2 ** 16:
+        raise DataError(f"token id {max_id} does not fit uint16")
+    dt = time.time() - t0
+    return {
+        "format": FORMAT,
+        "tokenizer": tkz.TOKENIZER_NAME,
+        "vocab_size": tkz.GPT2_VOCAB_SIZE,
+        "eos_id": tkz.GPT2_EOS_ID,
+        "dtype": DTYPE,
+        "byte_order": "little",
+        "max_token_id": max_id,
+        "val_fraction": float(val_fraction),
+        "shard_tokens": int(shard_tokens),
+        "documents": doc_index,
+        "tokens": total,
+        "splits": splits,
+        "sources": fp["sources"],
+        "fingerprint": fp,
+        "created_unix": round(time.time(), 3),
+        "seconds": round(dt, 3),
+        "demo_credit": DEMO_CREDIT if any(str(f) == str(_demo_or_none()) for f in files) else None,
+    }
+
+
+def _demo_or_none():
+    try:
+        return demo_corpus_path()
+    except DataError:
+        return None
+
+
+def _progress_bar(enabled: bool):
+    try:
+        from tqdm.auto import tqdm
+    except ModuleNotFoundError:  # tqdm is a dependency; fall back to a silent counter just in case
+        enabled = False
+        tqdm = None
+    if not enabled or tqdm is None:
+        class _Null:
+            def update(self, n): pass
+            def set_postfix_str(self, s, refresh=True): pass
+            def close(self): pass
+        return _Null()
+    return tqdm(desc="tokenizing", unit=" docs", file=sys.stderr, dynamic_ncols=True)
+
+
+def _install(tmp: Path, out: Path, manifest: dict) -> None:
+    """Move finished shards from `tmp` into `out`; the manifest goes last (atomic rename)."""
+    (out / MANIFEST).unlink(missing_ok=True)   # from here until the end `out` is visibly incomplete
+    keep = set()
+    for split in SPLITS:
+        for s in manifest["splits"][split]["shards"]:
+            os.replace(tmp / s["file"], out / s["file"])
+            keep.add(s["file"])
+    for split in SPLITS:   # stale shards of an earlier run with more shards
+        for p in out.glob(f"{split}_*.bin"):
+            if p.name not in keep:
+                p.unlink()
+    mtmp = tmp / MANIFEST
+    mtmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(mtmp, out / MANIFEST)
+
+
+# ----------------------------------------------------------------------------- demo corpus
+
+def demo_cache_dir() -> Path:
+    """`$LAPLACE_DATA_CACHE/demo_wiki`, default `~/.cache/laplace_jax/demo_wiki`."""
+    root = os.environ.get("LAPLACE_DATA_CACHE") or Path.home() / ".cache" / "laplace_jax"
+    return Path(root).expanduser() / "demo_wiki"
+
+
+def ensure_demo_data(cache_dir: str | os.PathLike[str] | None = None, *,
+                     val_fraction: float = DEFAULT_VAL_FRACTION, workers: int = 1,
+                     progress: bool = True) -> Path:
+    """Prepare the built-in demo corpus once (idempotent, process-safe); returns the shard folder.
+
+    Cache folder: `cache_dir`, else `$LAPLACE_DATA_CACHE/demo_wiki`, else `~/.cache/laplace_jax/demo_wiki`.
+    Tokenizes in-process by default (`workers=1`; HF tokenizers still uses its own threads, ~1 M tokens
+    in a few seconds), so it is safe to call from any entry point, with or without a `__main__` guard.
+    Concurrent callers (several local processes) serialize on a lock file; the first one prepares.
+    """
+    out = Path(cache_dir).expanduser() if cache_dir is not None else demo_cache_dir()
+    prepare([demo_corpus_path()], out, val_fraction=val_fraction, workers=workers, progress=progress)
+    return out
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m laplace_jax.data.prepare", description=__doc__.split("\n")[0])
+    ap.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                    help=".txt/.jsonl/.parquet/.json files or directories, or `demo`")
+    ap.add_argument("--out", required=True, metavar="DIR", help="output folder for shards + manifest.json")
+    ap.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,
+                    help="fraction of documents held out (default %(default)s)")
+    ap.add_argument("--workers", type=int, default=2, help="tokenizer processes (default %(default)s)")
+    ap.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
+                    help="tokens per shard file (default %(default)s)")
+    ap.add_argument("--force", action="store_true", help="re-tokenize even if the output is up to date")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+    try:
+        prepare(args.input, args.out, val_fraction=args.val_fraction, workers=args.workers,
+                shard_tokens=args.shard_tokens, force=args.force, progress=not args.quiet)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted; the output folder was left as it was", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""`build_optimizer`: Muon for the hidden matrices, AdamW for the rest, one schedule, clipping."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from .muon import muon
+
+MUON, ADAMW = "muon", "adamw"
+DECAYED_ADAMW = ("embed", "lm_head")   # AdamW weight decay only on these (top-level) leaves
+
+
+def _key(p) -> str:
+    return str(getattr(p, "key", getattr(p, "name", getattr(p, "idx", p))))
+
+
+def label_params(params: Any) -> Any:
+    """'muon' for every leaf whose key starts with ``w_`` (stacked [L, m, n]); 'adamw' otherwise."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: MUON if path and _key(path[-1]).startswith("w_") else ADAMW, params)
+
+
+def _adamw_decay_mask(params: Any) -> Any:
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: bool(path) and _key(path[-1]) in DECAYED_ADAMW, params)
+
+
+def make_schedule(optim_cfg: Any) -> optax.Schedule:
+    """Linear warmup 0 -> lr over warmup_steps, then cosine to min_lr_ratio*lr at total_steps."""
+    c = optim_cfg
+    decay = max(1, c.total_steps - c.warmup_steps)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=c.lr, warmup_steps=c.warmup_steps,
+        decay_steps=c.warmup_steps + decay, end_value=c.lr * c.min_lr_ratio)
+
+
+@dataclass
+class OptimizerReport:
+    """Assignment of parameters to the two groups."""
+    muon_matrices: int = 0
+    muon_params: int = 0
+    muon_leaves: list[str] = field(default_factory=list)
+    adamw_tensors: int = 0
+    adamw_params: int = 0
+    adamw_leaves: list[str] = field(default_factory=list)
+    adamw_decayed: list[str] = field(default_factory=list)
+    comm: str = ""
+    comm_dtype: str = ""
+    fsdp_ranks: int = 1
+
+    @property
+    def total_params(self) -> int:
+        return self.muon_params + self.adamw_params
+
+    def __str__(self) -> str:
+        return "\n".join([
+            f"optimizer: {self.total_params:,} params",
+            f"  muon : {self.muon_matrices} matrices, {self.muon_params:,} params "
+            f"({', '.join(self.muon_leaves)}); comm={self.comm} ({self.comm_dtype}) "
+            f"over {self.fsdp_ranks} FSDP rank(s)",
+            f"  adamw: {self.adamw_tensors} tensors, {self.adamw_params:,} params "
+            f"(weight decay on {', '.join(self.adamw_decayed) or 'none'})",
+        ])
+
+
+def _size(x) -> int:
+    n = 1
+    for d in x.shape:
+        n *= int(d)
+    return n
+
+
+def assignment_report(params: Any, *, comm: str = "", comm_dtype: str = "",
+                      fsdp_ranks: int = 1) -> OptimizerReport:
+    rep = OptimizerReport(comm=comm, comm_dtype=comm_dtype, fsdp_ranks=fsdp_ranks)
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = "/".join(_key(p) for p in path)
+        if path and _key(path[-1]).startswith("w_"):
+            rep.muon_matrices += int(x.shape[0]) if len(x.shape) == 3 else 1
+            rep.muon_params += _size(x)
+            rep.muon_leaves.append(name)
+        else:
+            rep.adamw_tensors += 1
+            rep.adamw_params += _size(x)
+            rep.adamw_leaves.append(name)
+            if path and _key(path[-1]) in DECAYED_ADAMW:
+                rep.adamw_decayed.append(name)
+    return rep
+
+
+def build_optimizer(optim_cfg: Any, params: Any, *, mesh=None,
+                    fsdp_axis: str = "fsdp") -> tuple[optax.GradientTransformation, OptimizerReport]:
+    """Muon (``w_*`` leaves) + AdamW (the rest) under one warmup-cosine schedule.
+
+    ``params`` may be arrays or `jax.ShapeDtypeStruct`s (only the tree and shapes are used).
+    ``mesh``: when given, Muon orthogonalises with ``optim_cfg.muon_comm`` over ``fsdp_axis``
+    (leaves sharded ``P(None, fsdp_axis, None)``); ``None`` = single-device reference path.
+    """
+    c = optim_cfg
+    schedule = make_schedule(c)
+    labels = label_params(params)
+    muon_tx = muon(schedule, weight_decay=c.weight_decay, momentum=c.muon_momentum,
+                   nesterov=c.muon_nesterov, ns_steps=c.ns_steps, eps=c.muon_eps,
+                   scale=c.muon_scale, comm=c.muon_comm, comm_dtype=c.muon_comm_dtype,
+                   mesh=mesh, fsdp_axis=fsdp_axis)
+    adamw_tx = optax.adamw(schedule, b1=c.adam_b1, b2=c.adam_b2, eps=c.adam_eps,
+                           weight_decay=c.weight_decay, mask=_adamw_decay_mask)
+    parts = []
+    if c.grad_clip and c.grad_clip > 0:
+        parts.append(optax.clip_by_global_norm(c.grad_clip))
+    parts.append(optax.multi_transform({MUON: muon_tx, ADAMW: adamw_tx}, labels))
+    ranks = 1
+    if mesh is not None:
+        ranks = int(dict(zip(mesh.axis_names, mesh.devices.shape))[fsdp_axis])
+    report = assignment_report(params, comm=c.muon_comm if mesh is not None else "single-device",
+                               comm_dtype=c.muon_comm_dtype, fsdp_ranks=ranks)
+    return optax.chain(*parts), report

@@ -1,0 +1,55 @@
+"""Config loading: the YAMLs, dotted overrides, and one-line errors that name the fix."""
+import pytest
+
+from laplace_jax.config import ConfigError, load_config
+
+
+def test_three_configs_load():
+    big = load_config("laplace_3b")
+    m = big.model
+    assert (m.d_model, m.num_layers, m.num_heads, m.d_k, m.d_v, m.qkvg_dim) == (3072, 24, 16, 96, 192, 9216)
+    assert (m.conv_kernel, m.ffn_dim, m.vocab_size, m.seq_len, m.num_chunks, m.chunk_size) == (4, 8192, 50304, 2048, 16, 128)
+    assert (m.t_min, m.t_max) == (1.0, 2048.0)
+    assert big.train.batch_tokens == 524288 and big.optim.warmup_steps == 3815 and big.optim.total_steps == 190735
+    tiny = load_config("configs/laplace_tiny.yaml")
+    assert tiny.model.seq_len == 256 and tiny.model.num_chunks == 16
+    assert load_config("laplace_small").model.d_model == 768
+
+
+def test_dotted_overrides_reach_every_section():
+    c = load_config("laplace_tiny", ["model.d_model=256", "model.d_v=64", "model.qkvg_dim=640",
+                                     "optim.lr=1e-3", "train.steps=7", "mesh.fsdp=2", "data.path=/x",
+                                     "platform=cpu", "decode_widths=[1,3]", "model.scan_layers=false"])
+    assert (c.model.d_model, c.optim.lr, c.train.steps, c.mesh.fsdp, c.data.path) == (256, 1e-3, 7, 2, "/x")
+    assert c.platform == "cpu" and c.decode_widths == (1, 3) and c.model.scan_layers is False
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.d_modle=5"], "unknown config key 'model.d_modle': did you mean 'd_model'?"),
+    (["modle.d_model=5"], "unknown config key 'modle': did you mean 'model'?"),
+    (["model.num_layers=0"], "model.num_layers=0: must be positive"),
+    (["model.ffn_dim=-4"], "model.ffn_dim=-4: must be positive"),
+    (["model.decay_tiers=3"], "not divisible by model.decay_tiers=3"),
+    (["model.seq_len=250"], "model.seq_len=250 is not divisible by model.num_chunks=16"),
+    (["model.d_v=16"], "!= model.d_model=128: set d_v=32"),
+    (["model.qkvg_dim=9216"], "set model.qkvg_dim=384"),
+    (["optim.lr=abc"], "optim.lr='abc': expected a number"),
+    (["model.remat=some"], "model.remat='some': choose one of"),
+    (["steps"], "expected key=value"),
+])
+def test_errors_are_one_line_and_name_the_fix(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config("laplace_tiny", overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unknown_yaml_key(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("model:\n  d_modell: 64\n")
+    with pytest.raises(ConfigError, match="did you mean 'd_model'"):
+        load_config(p)
+
+
+def test_missing_config_lists_available():
+    with pytest.raises(ConfigError, match="laplace_tiny"):
+        load_config("no_such_config")

@@ -1,0 +1,248 @@
+"""Export (JAX params → HF folder) and the plain-torch reference model. CPU, a few seconds each.
+
+Needs torch + safetensors (the `serve` extra); skipped without them."""
+import importlib
+import json
+import sys
+import types
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("safetensors")
+
+from export.convert import ExportError, export_checkpoint, export_params  # noqa: E402
+from export.torch_model import LaplaceConfig, LaplaceForCausalLM  # noqa: E402
+
+TINY = dict(vocab_size=50304, d_model=128, num_layers=2, num_heads=4, d_k=16, d_v=32, qkvg_dim=384,
+            conv_kernel=4, ffn_dim=256, decay_tiers=2, t_min=1.0, t_max=256.0, seq_len=256, num_chunks=16)
+
+
+def tiny_model_cfg():
+    try:
+        from laplace_jax.config import ModelConfig
+        return ModelConfig(**TINY, compute_dtype="float32")
+    except ImportError:  # pragma: no cover
+        return LaplaceConfig(**TINY)
+
+
+def random_params(cfg, seed=0, scale=0.2):
+    """A docs/PARAMS.md tree of float32 numpy arrays with non-trivial values everywhere."""
+    r = np.random.default_rng(seed)
+    L, D, H, K, V, F, C, T, N = (cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.d_k, cfg.d_v,
+                                 cfg.ffn_dim, cfg.conv_kernel, cfg.decay_tiers, cfg.vocab_size)
+
+    def n(*shape, mean=0.0, s=scale):
+        return (mean + s * r.standard_normal(shape)).astype(np.float32)
+
+    return {
+        "embed": n(N, D, s=1.0),
+        "layers": {
+            "attn_norm": n(L, D, mean=1.0, s=0.1), "conv_w": n(L, C, D, s=0.5), "conv_b": n(L, D, s=0.1),
+            "w_qkvg": n(L, D, cfg.qkvg_dim, s=D ** -0.5), "aug_balance": n(L, H, K, s=0.5),
+            "head_norm": n(L, T, V, mean=1.0, s=0.1), "w_out": n(L, D, D, s=D ** -0.5),
+            "ffn_norm": n(L, D, mean=1.0, s=0.1), "w_12": n(L, D, 2 * F, s=D ** -0.5),
+            "w_3": n(L, F, D, s=F ** -0.5),
+        },
+        "final_norm": n(D, mean=1.0, s=0.1),
+        "lm_head": n(D, N, s=D ** -0.5 * 3),
+    }
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    cfg = tiny_model_cfg()
+    params = random_params(cfg)
+    out = tmp_path_factory.mktemp("export") / "tiny"
+    export_params(params, cfg, out, "float32")
+    return cfg, params, out
+
+
+def test_folder_contents(exported):
+    cfg, _, out = exported
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "generation_config.json"} <= names
+    c = json.loads((out / "config.json").read_text())
+    assert c["architectures"] == ["LaplaceForCausalLM"] and c["model_type"] == "laplace"
+    for k, v in TINY.items():
+        assert c["train_seq_len" if k == "seq_len" else k] == v, k
+    assert len(c["gla_gamma"]) == cfg.num_heads
+    assert c["gla_gamma"][0] == pytest.approx(-np.log(2.0))            # half-life t_min = 1
+    assert c["gla_gamma"][-1] == pytest.approx(-np.log(2.0) / cfg.t_max)
+    assert c["state_bytes_per_sequence"] == cfg.num_layers * (
+        cfg.conv_kernel * cfg.d_model + cfg.num_heads * cfg.d_k * cfg.d_v) * 4
+    g = json.loads((out / "generation_config.json").read_text())
+    assert g["eos_token_id"] == 50256
+    t = json.loads((out / "tokenizer_config.json").read_text())
+    assert t["eos_token"] == "<|endoftext|>"
+
+
+def test_torch_full_forward_equals_recurrent_decode(exported):
+    _, _, out = exported
+    m = LaplaceForCausalLM.from_pretrained(out)
+    toks = torch.randint(0, 50304, (3, 45), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full, st_full = m(toks)
+        full_small_chunks, _ = m(toks, chunk=7)
+        st = m.init_state(3)
+        steps = []
+        for t in range(toks.shape[1]):
+            lg, st = m.decode_step(toks[:, t], st)
+            steps.append(lg)
+        step = torch.stack(steps, 1)
+        a, sa = m(toks[:, :20])                      # prefill continued from a state
+        b, sb = m(toks[:, 20:], sa)
+    scale = full.abs().max()
+    assert (full - step).abs().max() / scale < 1e-5
+    assert (full - full_small_chunks).abs().max() / scale < 1e-5
+    assert (torch.cat([a, b], 1) - full).abs().max() / scale < 1e-5
+    for x, y in zip(st, st_full):
+        assert (x["gla"] - y["gla"]).abs().max() < 1e-4 * y["gla"].abs().max()
+        assert torch.allclose(x["conv"], y["conv"], atol=1e-4, rtol=1e-4)
+    assert tuple(st[0]["conv"].shape) == (3, 4, 128) and tuple(st[0]["gla"].shape) == (3, 4, 16, 32)
+
+
+def test_jax_logits_equal_torch_logits(exported):
+    jax = pytest.importorskip("jax")
+    model = pytest.importorskip("laplace_jax.model")
+    cfg, params, out = exported
+    toks = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, cfg.seq_len))
+    jl = np.asarray(model.LaplaceLM(cfg).apply({"params": params}, jax.numpy.asarray(toks)))
+    m = LaplaceForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        tl = m(torch.tensor(toks))[0].numpy()
+    rel = np.abs(tl - jl).max() / np.abs(jl).max()
+    assert rel <= 1e-4, rel
+
+
+def test_jax_init_params_round_trip(tmp_path):
+    """The lead's own initialiser → export → torch: same logits."""
+    jax = pytest.importorskip("jax")
+    model = pytest.importorskip("laplace_jax.model")
+    cfg = tiny_model_cfg()
+    params = jax.tree.map(np.asarray, model.init_params(cfg, jax.random.PRNGKey(3)))
+    export_params(params, cfg, tmp_path / "o", "float32")
+    toks = np.random.default_rng(3).integers(0, cfg.vocab_size, (1, cfg.seq_len))
+    jl = np.asarray(model.LaplaceLM(cfg).apply({"params": params}, jax.numpy.asarray(toks)))
+    with torch.no_grad():
+        tl = LaplaceForCausalLM.from_pretrained(tmp_path / "o")(torch.tensor(toks))[0].numpy()
+    assert np.abs(tl - jl).max() / np.abs(jl).max() <= 1e-4
+
+
+def test_jax_greedy_equals_torch_greedy(exported):
+    jax = pytest.importorskip("jax")
+    model = pytest.importorskip("laplace_jax.model")
+    if not hasattr(model, "prefill") or not hasattr(model, "decode_step"):
+        pytest.skip("laplace_jax.model has no prefill/decode_step yet")
+    jnp = jax.numpy
+    cfg, params, out = exported
+    m = LaplaceForCausalLM.from_pretrained(out)
+    jp = jax.tree.map(jnp.asarray, params)
+    step = jax.jit(lambda p, t, s: model.decode_step(p, t, s, cfg))
+    for prompt in ([50256], list(range(1000, 1077)), list(range(7, 44))):
+        want = m.generate(prompt, 48)
+        logits, st = model.prefill(jp, jnp.asarray([prompt]), cfg)
+        got = [int(jnp.argmax(logits[0, -1]))]
+        while len(got) < 48:
+            logits, st = step(jp, jnp.asarray([got[-1]]), st)
+            got.append(int(jnp.argmax(logits[0])))
+        assert got == want, (len(prompt), sum(a == b for a, b in zip(got, want)))
+
+
+def test_bfloat16_export(tmp_path, exported):
+    cfg, params, _ = exported
+    export_params(params, cfg, tmp_path / "bf", "bfloat16")
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "bf" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("embed.weight").dtype == torch.bfloat16
+    assert json.loads((tmp_path / "bf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    m = LaplaceForCausalLM.from_pretrained(tmp_path / "bf")          # loads (upcast to float32)
+    assert m.lm_head.weight.dtype == torch.float32
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def test_non_empty_out_dir_refused(tmp_path, exported):
+    cfg, params, _ = exported
+    (tmp_path / "junk.txt").write_text("x")
+    with pytest.raises(ExportError, match="not empty.*--overwrite"):
+        export_params(params, cfg, tmp_path, "float32")
+    export_params(params, cfg, tmp_path, "float32", overwrite=True, tokenizer=False)
+    assert (tmp_path / "model.safetensors").is_file()
+
+
+def test_unknown_dtype_refused(tmp_path, exported):
+    cfg, params, _ = exported
+    with pytest.raises(ExportError, match="unknown dtype 'float8'.*float32, bfloat16"):
+        export_params(params, cfg, tmp_path / "o", "float8")
+    assert not (tmp_path / "o").exists()
+
+
+def test_mismatched_safetensors_clear_error(tmp_path, exported):
+    cfg, params, out = exported
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    c = json.loads((out / "config.json").read_text())
+    c["d_k"], c["qkvg_dim"] = 8, 4 * (2 * 8 + 2 * 32)          # consistent config, wrong weights
+    (bad / "config.json").write_text(json.dumps(c))
+    (bad / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match=r"does not match .*config.json.*shape mismatch.*aug_balance"):
+        LaplaceForCausalLM.from_pretrained(bad)
+    c = json.loads((out / "config.json").read_text())
+    c["num_layers"] = 3
+    (bad / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ValueError, match=r"missing \(e\.g\. layers\.2\."):
+        LaplaceForCausalLM.from_pretrained(bad)
+    (bad / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        LaplaceForCausalLM.from_pretrained(bad)
+
+
+def test_wrong_param_tree_clear_error(tmp_path, exported):
+    cfg, params, _ = exported
+    p = {**params, "layers": {k: v for k, v in params["layers"].items() if k != "w_3"}}
+    with pytest.raises(ExportError, match="w_3"):
+        export_params(p, cfg, tmp_path / "o", "float32")
+
+
+def _fake_checkpoint_module(params, cfg, steps):
+    mod = types.ModuleType("laplace_jax.checkpoint")
+    mod.available_steps = lambda run_dir: list(steps)
+
+    def load_params(run_dir, step=None):
+        step = max(steps) if step is None else step
+        if step not in steps:
+            raise FileNotFoundError(step)
+        return params, types.SimpleNamespace(model=cfg), step
+    mod.load_params = load_params
+    return mod
+
+
+def test_cli_missing_step_lists_available(tmp_path, exported, monkeypatch, capsys):
+    cfg, params, _ = exported
+    run = tmp_path / "run"
+    run.mkdir()
+    monkeypatch.setitem(sys.modules, "laplace_jax.checkpoint", _fake_checkpoint_module(params, cfg, [100, 200]))
+    from export.__main__ import main
+    assert main(["--checkpoint", str(run), "--step", "150", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "--step 150" in err and "available steps: 100, 200" in err
+    assert main(["--checkpoint", str(run), "--out", str(tmp_path / "o"), "--dtype", "fp7"]) == 2
+    assert "unknown dtype 'fp7'" in capsys.readouterr().err
+    assert main(["--checkpoint", str(run), "--out", str(tmp_path / "o")]) == 0
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["laplace_step"] == 200
+    assert main(["--checkpoint", str(run), "--out", str(tmp_path / "o")]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert main(["--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "o2")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+
+
+def test_cli_real_checkpoint_if_available(tmp_path):
+    """With the lead's checkpoint module: a missing step lists the available ones (real orbax run)."""
+    try:
+        ckpt = importlib.import_module("laplace_jax.checkpoint")
+    except ImportError:
+        pytest.skip("laplace_jax.checkpoint not written yet")
+    assert hasattr(ckpt, "load_params") and hasattr(ckpt, "available_steps")

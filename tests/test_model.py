@@ -1,0 +1,113 @@
+"""The model's three entry points agree: prefill + decode_step = the full-sequence logits."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from laplace_jax.config import load_config
+from laplace_jax.model import (LaplaceLM, decode_step, forward, init_params, init_state, prefill,
+                               state_bytes_per_sequence)
+
+SMALL = ["model.num_chunks=4", "model.seq_len=64", "model.vocab_size=512"]
+CFG = load_config("laplace_tiny", SMALL).model
+_decode = jax.jit(decode_step, static_argnums=3)
+_prefill = jax.jit(prefill, static_argnums=2)
+_forward = jax.jit(forward, static_argnums=2)
+
+
+@pytest.fixture(scope="module")
+def params():
+    p = init_params(CFG, jax.random.PRNGKey(0))
+    # move every weight off its init (aug_balance starts at 0, norms at 1) so each one matters
+    keys = iter(jax.random.split(jax.random.PRNGKey(1), 64))
+    noise = {id(a): 0.05 * jax.random.normal(next(keys), a.shape) for a in jax.tree.leaves(p)}
+    return jax.jit(lambda p, n: jax.tree.map(jnp.add, p, n))(p, jax.tree.unflatten(
+        jax.tree.structure(p), [noise[id(a)] for a in jax.tree.leaves(p)]))
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return jax.random.randint(jax.random.PRNGKey(2), (2, 64), 0, CFG.vocab_size)
+
+
+def rel(a, b):
+    return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+
+
+def test_param_tree_matches_contract(params):
+    L, D = CFG.num_layers, CFG.d_model
+    assert params["embed"].shape == (CFG.vocab_size, D)
+    assert params["lm_head"].shape == (D, CFG.vocab_size)
+    assert params["layers"]["w_qkvg"].shape == (L, D, CFG.qkvg_dim)
+    assert params["layers"]["w_12"].shape == (L, D, 2 * CFG.ffn_dim)
+    assert params["layers"]["aug_balance"].shape == (L, CFG.num_heads, CFG.d_k)
+    fresh = init_params(CFG, jax.random.PRNGKey(0))
+    assert not np.any(fresh["layers"]["aug_balance"])  # σ(0) = ½: half-strength value skip
+
+
+def test_module_apply_equals_pure_forward(params, tokens):
+    a = LaplaceLM(CFG).apply({"params": params}, tokens)
+    b = forward(params, tokens, CFG)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("prompt_len", [1, 16, 23])  # one token, a chunk multiple, and not
+def test_prefill_then_decode_equals_full_sequence(params, tokens, prompt_len):
+    full = _forward(params, tokens, CFG)
+    logits, state = _prefill(params, tokens[:, :prompt_len], CFG)
+    assert rel(logits, full[:, :prompt_len]) <= 1e-4
+    for t in range(prompt_len, tokens.shape[1]):  # decoding crosses several chunk boundaries
+        step_logits, state = _decode(params, tokens[:, t], state, CFG)
+        assert rel(step_logits, full[:, t]) <= 1e-4, t
+
+
+def test_decode_from_zero_state_equals_prefill(params, tokens):
+    state = init_state(CFG, 2)
+    logits, _ = _prefill(params, tokens[:, :8], CFG)
+    for t in range(8):
+        step_logits, state = _decode(params, tokens[:, t], state, CFG)
+        assert rel(step_logits, logits[:, t]) <= 1e-4
+
+
+def test_state_is_fixed_size_float32(params, tokens):
+    _, s_short = prefill(params, tokens[:, :3], CFG)
+    _, s_long = prefill(params, tokens, CFG)
+    for a, b in zip(jax.tree.leaves(s_short), jax.tree.leaves(s_long)):
+        assert a.shape == b.shape and a.dtype == jnp.float32
+    nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(s_long)) // 2
+    assert nbytes == state_bytes_per_sequence(CFG)
+
+
+@pytest.mark.parametrize("overrides", [["model.scan_layers=false"], ["model.remat=full"],
+                                       ["model.gla_unroll=true"], ["model.remat=dots_no_batch"]])
+def test_layer_loop_variants_agree(params, tokens, overrides):
+    import dataclasses
+    cfg = load_config("laplace_tiny", SMALL + overrides).model
+    ref = _forward(params, tokens, CFG)
+    out = _forward(params, tokens, cfg)
+    assert rel(out, ref) <= 1e-5
+    grad = _grad_qkvg(params, tokens, cfg)
+    assert rel(grad, _grad_qkvg(params, tokens, CFG)) <= 1e-4
+
+
+@functools.lru_cache(maxsize=None)
+def _grad_fn(cfg):
+    return jax.jit(jax.grad(lambda p, t: forward(p, t, cfg).mean()))
+
+
+def _grad_qkvg(params, tokens, cfg):
+    return _grad_fn(cfg)(params, tokens)["layers"]["w_qkvg"]
+
+
+def test_bf16_compute_close_to_float32(params, tokens):
+    import dataclasses
+    ref = _forward(params, tokens, CFG)
+    out = _forward(params, tokens, dataclasses.replace(CFG, compute_dtype="bfloat16"))
+    assert rel(out, ref) < 5e-2
+
+
+def test_training_forward_rejects_unchunkable_length(params, tokens):
+    with pytest.raises(ValueError, match="num_chunks"):
+        forward(params, tokens[:, :30], CFG)
