@@ -30,11 +30,12 @@ def _state_bytes(worker):
 
 
 def run(model, prompts, max_tokens=48, dtype="float32", max_num_seqs=8, max_num_batched_tokens=None,
-        compile=False, staggered=0, state_bytes=False, max_model_len=1024):
+        compile=False, staggered=0, state_bytes=False, max_model_len=1024, no_tokenizer=False):
     from vllm import LLM, SamplingParams
 
     kw = dict(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-              enforce_eager=not compile, seed=0)
+              enforce_eager=not compile, seed=0,
+              skip_tokenizer_init=no_tokenizer)
     if max_num_batched_tokens:
         kw["max_num_batched_tokens"] = max_num_batched_tokens
         kw["enable_chunked_prefill"] = True
@@ -80,6 +81,7 @@ def main(argv=None):
     ap.add_argument("--compile", action="store_true", help="torch.compile path (default: eager)")
     ap.add_argument("--staggered", type=int, default=0)
     ap.add_argument("--state-bytes", action="store_true")
+    ap.add_argument("--no-tokenizer", action="store_true", help="folder without tokenizer files")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     text = a.prompts
@@ -90,7 +92,7 @@ def main(argv=None):
     if a.state_bytes:
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     res = run(a.model, json.loads(text), a.max_tokens, a.dtype, a.max_num_seqs, a.max_num_batched_tokens,
-              a.compile, a.staggered, a.state_bytes, a.max_model_len)
+              a.compile, a.staggered, a.state_bytes, a.max_model_len, a.no_tokenizer)
     s = json.dumps(res)
     if a.out:
         with open(a.out, "w") as f:

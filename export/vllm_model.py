@@ -105,6 +105,8 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
         # context 0 → a new sequence: start from zero (pages are reused without zeroing)
         has_ctx = (md.seq_lens[:nreq] - qlen) > 0
         slots = md.state_indices_tensor[:nreq].long()
+        # padded (CUDA-graph) entries carry PAD_SLOT_ID = -1: send them to the null slot 0
+        slots = torch.where(slots < 0, torch.zeros_like(slots), slots)
         if n < output.shape[0]:
             output[n:].zero_()
         if nd > 0:

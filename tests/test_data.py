@@ -185,6 +185,27 @@ def test_prepare_workers_are_deterministic(tmp_path, small_data):
         assert np.array_equal(_stream(tmp_path / "w2", m2, split), _stream(small_data[0], m1, split))
 
 
+def test_prepare_killed_midway_leaves_previous_output(small_data, tmp_path):
+    import shutil
+    import signal
+    import time
+
+    src, m, _ = small_data
+    out = tmp_path / "out"
+    shutil.copytree(src, out)
+    proc = subprocess.Popen([sys.executable, "-m", "laplace_jax.data.prepare", "--input", "demo", "--out", str(out),
+                             "--workers", "1", "--quiet"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.time() + 30
+    while not list(out.glob(".prepare-tmp-*")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    now = prep.read_manifest(out)
+    assert now is not None and prep._shards_intact(out, now)
+    assert now == m or now["documents"] == 10033   # the old output, or (if it finished first) the new one
+
+
 def test_prepare_errors(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         prep.prepare([tmp_path / "nope.txt"], tmp_path / "o")

@@ -228,6 +228,8 @@ def prepare(inputs, out_dir: str | os.PathLike[str], *, val_fraction: float = DE
             _log(f"prepare: {out} is up to date ({old['splits']['train']['tokens']:,} train / "
                  f"{old['splits']['val']['tokens']:,} val tokens); nothing to do", quiet)
             return old
+        for stale in out.glob(".prepare-tmp-*"):   # left by a killed run (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=".prepare-tmp-", dir=out))
         try:
             manifest = _write_shards(files, tmp, fp, val_fraction, workers, shard_tokens, progress)

@@ -241,7 +241,7 @@ def scale_by_muon(*, momentum: float = 0.95, nesterov: bool = True, ns_steps: in
         raise ValueError(f"comm={comm!r}: choose one of {COMMS}")
 
     def init_fn(params):
-        return ScaleByMuonState(mu=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+        return ScaleByMuonState(mu=jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), params))
 
     def update_fn(updates, state, params=None):
         del params

@@ -1,0 +1,133 @@
+"""orbax checkpoints of a training run: `RUN_DIR/checkpoints/<step>/{params,train,data,meta}`.
+
+- `params`: the parameter pytree (docs/PARAMS.md), float32 — all that export needs;
+- `train`:  optimizer state, step, RNG key;
+- `data`:   the grain iterator position (grain's own orbax handler, one file per process);
+- `meta`:   JSON — the full config, the step, a format tag.
+
+Saves are async (orbax writes into a temporary folder and renames it on commit, so a kill during a
+save leaves the previous checkpoints intact). Restores go straight into the current mesh's
+shardings, also when the device count changed since the save.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from laplace_jax.config import Config, ConfigError, config_to_dict, from_dict
+
+FORMAT = "laplace_jax/1"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, unreadable or from an incompatible run; the message names the fix."""
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir).expanduser().resolve() / "checkpoints"
+
+
+def available_steps(run_dir: str | Path) -> list[int]:
+    """Committed checkpoint steps in a run dir (temporary folders of unfinished saves are skipped)."""
+    d = checkpoint_dir(run_dir)
+    if not d.is_dir():
+        return []
+    return sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def make_manager(run_dir: str | Path, *, keep: int, async_save: bool = True) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                           enable_async_checkpointing=async_save)
+    return ocp.CheckpointManager(checkpoint_dir(run_dir), options=options,
+                                 item_handlers={"params": ocp.StandardCheckpointHandler(),
+                                                "train": ocp.StandardCheckpointHandler(),
+                                                "data": grain.checkpoint.CheckpointHandler(),
+                                                "meta": ocp.JsonCheckpointHandler()})
+
+
+def save(mngr: ocp.CheckpointManager, step: int, params: Any, train: Any, data_iter: Any,
+         cfg: Config, *, force: bool = True) -> None:
+    """Start an (async) save of everything a bit-exact resume needs."""
+    meta = {"format": FORMAT, "step": int(step), "config": config_to_dict(cfg)}
+    mngr.save(step, args=ocp.args.Composite(
+        params=ocp.args.StandardSave(params), train=ocp.args.StandardSave(train),
+        data=grain.checkpoint.CheckpointSave(data_iter), meta=ocp.args.JsonSave(meta)), force=force)
+
+
+def _unreadable(run_dir: str | Path, step: int, err: Exception) -> CheckpointError:
+    earlier = [s for s in available_steps(run_dir) if s < step]
+    back = (f"move {checkpoint_dir(run_dir) / str(step)} aside to resume from step {earlier[-1]}"
+            if earlier else "start a new --run-dir")
+    why = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+    return CheckpointError(f"checkpoint step {step} in {run_dir} is unreadable ({why}): {back}")
+
+
+def read_meta(run_dir: str | Path, step: int) -> dict[str, Any]:
+    path = checkpoint_dir(run_dir) / str(step) / "meta" / "metadata"
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise _unreadable(run_dir, step, e) from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint step {step} in {run_dir} has format {meta.get('format')!r}, "
+                              f"expected {FORMAT!r}: it was not written by this version of laplace_jax")
+    return meta
+
+
+def check_compatible(run_dir: str | Path, step: int, cfg: Config) -> None:
+    """Refuse to resume a run whose checkpoint has a different model architecture."""
+    saved = read_meta(run_dir, step)["config"]["model"]
+    current = config_to_dict(cfg)["model"]
+    arch = [k for k in current if k not in ("compute_dtype", "remat", "scan_layers", "gla_unroll")]
+    diff = [k for k in arch if saved.get(k) != current[k]]
+    if diff:
+        k = diff[0]
+        raise CheckpointError(f"run dir {run_dir} holds a checkpoint with model.{k}={saved.get(k)!r}, but the "
+                              f"config says {current[k]!r}: use a new --run-dir or the run's own config "
+                              f"({len(diff)} model field(s) differ)")
+
+
+def restore(mngr: ocp.CheckpointManager, run_dir: str | Path, step: int, abstract_params: Any,
+            abstract_train: Any, data_iter: Any) -> tuple[Any, Any]:
+    """Restore params and train state into the shardings of the abstract targets; moves `data_iter`."""
+    try:
+        out = mngr.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract_params), train=ocp.args.StandardRestore(abstract_train),
+            data=grain.checkpoint.CheckpointRestore(data_iter)))
+    except Exception as e:  # orbax/tensorstore raise many types for damaged files
+        raise _unreadable(run_dir, step, e) from None
+    return out["params"], out["train"]
+
+
+def load_params(run_dir: str | Path, step: int | None = None) -> tuple[dict[str, Any], Config, int]:
+    """Parameters (numpy float32, docs/PARAMS.md tree), the run's config and the step, on the host CPU."""
+    from laplace_jax.model import param_shapes
+
+    steps = available_steps(run_dir)
+    if not steps:
+        raise CheckpointError(f"no checkpoints in {checkpoint_dir(run_dir)}: train first "
+                              f"(python -m laplace_jax.train --run-dir {run_dir})")
+    if step is None:
+        step = steps[-1]
+    if step not in steps:
+        raise CheckpointError(f"step {step} is not in {run_dir}; available steps: {', '.join(map(str, steps))}")
+    meta = read_meta(run_dir, step)
+    try:
+        cfg = from_dict(meta["config"])
+    except ConfigError as e:
+        raise CheckpointError(f"checkpoint step {step} in {run_dir} has an invalid config ({e})") from None
+    cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+    abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=cpu),
+                            param_shapes(cfg.model))
+    path = checkpoint_dir(run_dir) / str(step) / "params"
+    try:
+        params = ocp.StandardCheckpointer().restore(path, abstract)
+    except Exception as e:
+        raise _unreadable(run_dir, step, e) from None
+    return jax.tree.map(np.asarray, params), cfg, step

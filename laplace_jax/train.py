@@ -1,0 +1,344 @@
+"""`python -m laplace_jax.train [--config C] [--run-dir D] [--steps N] [key=value ...]`
+
+Trains a Laplace model: grain data → FSDP over a (data, fsdp) mesh → Muon + AdamW → orbax
+checkpoints with exact resume. Defaults train the tiny config on the built-in demo corpus on CPU.
+Multi-host: `--coordinator HOST:PORT --num-processes N --process-id I` (or JAX_COORDINATOR_ADDRESS,
+JAX_NUM_PROCESSES, JAX_PROCESS_ID); every process runs the same command.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _preset_local_devices(argv: list[str]) -> None:
+    """`--local-devices N` must reach XLA before jax is imported (emulated CPU devices)."""
+    for i, a in enumerate(argv):
+        n = a.split("=", 1)[1] if a.startswith("--local-devices=") else (
+            argv[i + 1] if a == "--local-devices" and i + 1 < len(argv) else None)
+        if n:
+            flags = os.environ.get("XLA_FLAGS", "")
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={int(n)}".strip()
+
+
+if __name__ == "__main__":
+    _preset_local_devices(sys.argv[1:])
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import signal  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import yaml  # noqa: E402
+
+from laplace_jax import checkpoint as ckpt  # noqa: E402
+from laplace_jax.config import DEFAULT_CONFIG, Config, ConfigError, config_to_dict, load_config  # noqa: E402
+from laplace_jax.data.corpus import DataError  # noqa: E402
+from laplace_jax.data.pipeline import make_eval_batches, make_train_iterator, resolve_data_dir  # noqa: E402
+from laplace_jax.info import gla_flop_per_token  # noqa: E402
+from laplace_jax.model import forward, init_params, param_shapes  # noqa: E402
+from laplace_jax.optim import build_optimizer, make_schedule  # noqa: E402
+from laplace_jax.platform import select_platform  # noqa: E402
+from laplace_jax.sharding import (batch_sharding, make_mesh, opt_state_shardings, param_shardings,  # noqa: E402
+                                  replicated)
+
+# Dense bf16 peak per device, for MFU (FLOP count: 6N + the GLA mixing, per token).
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12}
+
+
+class TrainError(RuntimeError):
+    """A run cannot go on; the message names the step and what to do."""
+
+
+# ----------------------------------------------------------------------------- pure step functions
+
+def loss_fn(params: Any, batch: dict[str, jax.Array], cfg: Config) -> jax.Array:
+    """Mean next-token cross entropy (float32). batch: inputs/targets int32 [B, S]."""
+    logits = forward(params, batch["inputs"], cfg.model)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+def make_train_step(cfg: Config, tx: optax.GradientTransformation) -> Callable:
+    """(params, opt_state, batch [A, M, S]) → (params, opt_state, metrics); A micro-batches accumulated."""
+
+    def step(params, opt_state, batch):
+        grad_fn = jax.value_and_grad(loss_fn)
+
+        def micro(acc, mb):
+            loss, grads = grad_fn(params, mb, cfg)
+            return jax.tree.map(jnp.add, acc, (loss, grads)), None
+
+        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        (loss, grads), _ = jax.lax.scan(micro, zeros, batch)
+        n = batch["inputs"].shape[0]
+        loss, grads = loss / n, jax.tree.map(lambda g: g / n, grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+
+    return step
+
+
+# ----------------------------------------------------------------------------- the run
+
+@dataclasses.dataclass
+class RunLayout:
+    """Batch geometry: S tokens per sequence, G sequences per step = A micro-batches of M."""
+
+    seq_len: int
+    seqs_per_step: int
+    micro: int
+    accum: int
+    processes: int
+
+    @classmethod
+    def from_config(cls, cfg: Config, n_devices: int, processes: int) -> "RunLayout":
+        S = cfg.model.seq_len
+        G = cfg.train.batch_tokens // S
+        M = min(cfg.train.micro_batch, G)
+        if G % M:
+            raise ConfigError(f"train.micro_batch={M} does not divide the {G} sequences per step "
+                              f"(train.batch_tokens/model.seq_len): pick a divisor of {G}")
+        if M % n_devices:
+            raise ConfigError(f"train.micro_batch={M} is not divisible by the {n_devices} devices: "
+                              f"use a multiple of {n_devices}")
+        return cls(S, G, M, G // M, processes)
+
+
+class Metrics:
+    """Per-step metrics to `metrics.jsonl` (process 0) and a tqdm progress bar."""
+
+    def __init__(self, run_dir: Path, total: int, start: int, enabled: bool):
+        from tqdm import tqdm
+
+        self.enabled = enabled
+        self.file = open(run_dir / "metrics.jsonl", "a") if enabled else None
+        self.bar = tqdm(total=total, initial=start, disable=not enabled, unit="step", dynamic_ncols=True,
+                        file=sys.stderr, mininterval=1.0)
+
+    def log(self, rec: dict[str, Any], show: bool) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+        self.bar.update(1)
+        if show:
+            mfu = f" mfu {rec['mfu']:.1%}" if rec.get("mfu") is not None else ""
+            self.bar.set_postfix_str(f"loss {rec['loss']:.3f} gnorm {rec['grad_norm']:.2f} lr {rec['lr']:.2e} "
+                                     f"{rec['tokens_per_s']:,.0f} tok/s{mfu}", refresh=False)
+
+    def note(self, msg: str) -> None:
+        if self.enabled:
+            self.bar.write(msg, file=sys.stderr)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.bar.close()
+            self.file.close()
+
+
+def _peak_flops(cfg: Config) -> float | None:
+    if cfg.train.peak_flops > 0:
+        return cfg.train.peak_flops
+    kind = jax.devices()[0].device_kind
+    return next((v for k, v in PEAK_FLOPS.items() if k in kind), None)
+
+
+def _global_batch(local: dict[str, np.ndarray], layout: RunLayout, sharding) -> dict[str, jax.Array]:
+    """Process-local rows [G/P, S] → a global [A, M, S] array sharded over every device on axis 1."""
+    shape = (layout.accum, layout.micro, layout.seq_len)
+    out = {}
+    for k, v in local.items():
+        v = v.reshape(layout.accum, layout.micro // layout.processes, layout.seq_len)
+        out[k] = jax.make_array_from_process_local_data(sharding, v, shape)
+    return out
+
+
+class _Stop:
+    """SIGTERM/SIGINT → finish the current step, save, exit."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, signum, _frame):
+        self.signal = signum
+
+    def restore(self):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: bool = False) -> dict[str, Any]:
+    """Train (or resume) in `run_dir` until `steps` (default cfg.train.steps). Returns a summary."""
+    run_dir = Path(run_dir).expanduser().resolve()
+    total = cfg.train.steps if steps is None else steps
+    pid, nproc = jax.process_index(), jax.process_count()
+    is_main = pid == 0 and not quiet
+    mesh = make_mesh(cfg.mesh)
+    layout = RunLayout.from_config(cfg, mesh.size, nproc)
+
+    data_dir = resolve_data_dir(cfg.data.path, val_fraction=cfg.data.val_fraction)
+    per_proc = layout.seqs_per_step // nproc
+    data_iter = make_train_iterator(data_dir, seq_len=layout.seq_len, batch_size=per_proc,
+                                    seed=cfg.data.shuffle_seed, process_index=pid, process_count=nproc,
+                                    num_workers=cfg.data.num_workers, prefetch=cfg.data.prefetch,
+                                    vocab_size=cfg.model.vocab_size)
+    eval_batches = make_eval_batches(data_dir, seq_len=layout.seq_len, batch_size=layout.micro // nproc,
+                                     num_batches=cfg.train.eval_batches, vocab_size=cfg.model.vocab_size,
+                                     process_index=pid, process_count=nproc)
+
+    shapes = param_shapes(cfg.model)
+    p_sh = param_shardings(shapes, mesh)
+    tx, report = build_optimizer(cfg.optim, shapes, mesh=mesh)
+    o_sh = opt_state_shardings(jax.eval_shape(tx.init, shapes), mesh)
+    rep = replicated(mesh)
+    b_sh = batch_sharding(mesh, 3, batch_axis=1)
+    schedule = make_schedule(cfg.optim)
+
+    mngr = ckpt.make_manager(run_dir, keep=cfg.train.keep_ckpts, async_save=cfg.train.async_ckpt)
+    start = 0
+    latest = mngr.latest_step()
+    if latest is not None:
+        ckpt.check_compatible(run_dir, latest, cfg)
+        abs_p = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, p_sh)
+        o_shapes = jax.eval_shape(tx.init, shapes)
+        abs_t = {"opt_state": jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                           o_shapes, o_sh),
+                 "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
+                 "rng": jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep)}
+        params, tstate = ckpt.restore(mngr, run_dir, latest, abs_p, abs_t, data_iter)
+        opt_state, start, rng = tstate["opt_state"], int(tstate["step"]), tstate["rng"]
+    else:
+        rng = jax.random.PRNGKey(cfg.train.seed)
+        params = jax.jit(init_params, static_argnums=0, out_shardings=p_sh)(cfg.model, rng)
+        opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
+        rng = jax.device_put(rng, rep)
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+    step_fn = jax.jit(make_train_step(cfg, tx), in_shardings=(p_sh, o_sh, b_sh),
+                      out_shardings=(p_sh, o_sh, rep), donate_argnums=(0, 1))
+    eval_fn = jax.jit(lambda p, b: loss_fn(p, b, cfg), in_shardings=(p_sh, batch_sharding(mesh, 2)),
+                      out_shardings=rep)
+    eval_sh = batch_sharding(mesh, 2)
+
+    def evaluate(params) -> float:
+        losses = []
+        for b in eval_batches:
+            g = {k: jax.make_array_from_process_local_data(eval_sh, v, (layout.micro, layout.seq_len))
+                 for k, v in b.items()}
+            losses.append(float(eval_fn(params, g)))
+        return float(np.mean(losses))
+
+    flop_per_token = 6 * sum(int(np.prod(s.shape)) for s in jax.tree.leaves(shapes)) + 3 * gla_flop_per_token(cfg)
+    peak = _peak_flops(cfg)
+    tokens_per_step = layout.seqs_per_step * layout.seq_len
+    metrics = Metrics(run_dir, total, start, is_main)
+    if is_main:
+        metrics.note(f"laplace_jax.train: {cfg.name} | {jax.device_count()} {jax.devices()[0].platform} device(s), "
+                     f"mesh {dict(mesh.shape)}, {nproc} process(es) | {tokens_per_step:,} tokens/step = "
+                     f"{layout.accum} x {layout.micro} x {layout.seq_len} | data {data_dir}")
+        metrics.note(str(report))
+        if start:
+            metrics.note(f"resumed from step {start} ({run_dir / 'checkpoints' / str(start)})")
+
+    stop = _Stop()
+    last_good = start if latest is not None else None
+    step = start
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": start, "losses": {}}
+    try:
+        while step < total and stop.signal is None:
+            t0 = time.perf_counter()
+            batch = _global_batch(next(data_iter), layout, b_sh)
+            params, opt_state, m = step_fn(params, opt_state, batch)
+            loss, gnorm = float(m["loss"]), float(m["grad_norm"])
+            dt = time.perf_counter() - t0
+            step += 1
+            if not (math.isfinite(loss) and math.isfinite(gnorm)):
+                where = (f"last good checkpoint: step {last_good} ({run_dir / 'checkpoints' / str(last_good)})"
+                         if last_good is not None else "no checkpoint was saved yet")
+                raise TrainError(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} at step "
+                                 f"{step} (loss={loss}, grad_norm={gnorm}); {where}: lower optim.lr or check the data")
+            rec = {"step": step, "loss": loss, "grad_norm": gnorm, "lr": float(schedule(step - 1)),
+                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
+                   "mfu": (tokens_per_step * flop_per_token / dt / (peak * jax.device_count())) if peak else None,
+                   "mfu_flop": "6N+GLA"}
+            summary["losses"][step] = loss
+            if step % cfg.train.eval_every == 0 or step == total:
+                rec["eval_loss"] = evaluate(params)
+                metrics.note(f"step {step}: train loss {loss:.4f}, held-out loss {rec['eval_loss']:.4f}")
+            metrics.log(rec, show=step % cfg.train.log_every == 0)
+            if step % cfg.train.ckpt_every == 0 or step == total or stop.signal is not None:
+                ckpt.save(mngr, step, params, {"opt_state": opt_state, "step": jnp.asarray(step, jnp.int32),
+                                                "rng": rng}, data_iter, cfg)
+                last_good = step
+        if stop.signal is not None and last_good != step:
+            ckpt.save(mngr, step, params, {"opt_state": opt_state, "step": jnp.asarray(step, jnp.int32),
+                                            "rng": rng}, data_iter, cfg)
+    finally:
+        mngr.wait_until_finished()
+        mngr.close()
+        stop.restore()
+        metrics.close()
+        close = getattr(data_iter, "close", None)
+        if close:
+            close()
+    if stop.signal is not None:
+        metrics.note(f"stopped by signal {stop.signal} at step {step}; checkpoint saved")
+    summary.update(final_step=step, params=params, stopped_by_signal=stop.signal)
+    return summary
+
+
+# ----------------------------------------------------------------------------- command line
+
+def _init_distributed(args: argparse.Namespace) -> None:
+    coord = args.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    nproc = args.num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0") or 0)
+    pid = args.process_id if args.process_id is not None else os.environ.get("JAX_PROCESS_ID")
+    if coord or nproc > 1:
+        if not (coord and nproc and pid is not None):
+            raise ConfigError("multi-host needs --coordinator HOST:PORT, --num-processes N and --process-id I "
+                              "(or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
+        jax.distributed.initialize(coordinator_address=coord, num_processes=nproc, process_id=int(pid))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m laplace_jax.train", description=__doc__.split("\n\n")[1])
+    ap.add_argument("--config", default=DEFAULT_CONFIG, help="config name in configs/ or a YAML path")
+    ap.add_argument("--run-dir", default="runs/tiny", help="checkpoints and metrics; resumes if it has any")
+    ap.add_argument("--steps", type=int, default=None, help="train until this step (default: train.steps)")
+    ap.add_argument("--platform", default=None, choices=["auto", "cpu", "gpu", "neuron"])
+    ap.add_argument("--local-devices", type=int, default=None, help="emulated CPU devices per process")
+    ap.add_argument("--coordinator", default=None)
+    ap.add_argument("--num-processes", type=int, default=None)
+    ap.add_argument("--process-id", type=int, default=None)
+    ap.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. optim.lr=3e-3")
+    args = ap.parse_args(argv)
+    try:
+        overrides = list(args.overrides) + ([f"platform={args.platform}"] if args.platform else [])
+        cfg = load_config(args.config, overrides)
+        select_platform(cfg.platform)
+        _init_distributed(args)
+        summary = train(cfg, args.run_dir, steps=args.steps)
+    except (ConfigError, DataError, ckpt.CheckpointError, TrainError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    last = summary["losses"].get(summary["final_step"])
+    if jax.process_index() == 0:
+        print(f"done: step {summary['final_step']}" + (f", loss {last:.4f}" if last is not None else "")
+              + f", run dir {summary['run_dir']}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
