@@ -5,6 +5,14 @@ import sys
 from export.convert import DTYPES, ExportError, export_checkpoint
 
 
+def _checkpoint_error():
+    try:
+        from laplace_jax.checkpoint import CheckpointError
+        return CheckpointError
+    except ImportError:  # pragma: no cover
+        return ExportError
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m export",
                                  description="Export a Laplace orbax checkpoint to a Hugging-Face-style "
@@ -17,7 +25,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     try:
         out = export_checkpoint(a.checkpoint, a.out, step=a.step, dtype=a.dtype, overwrite=a.overwrite)
-    except (ExportError, FileNotFoundError, ValueError) as e:
+    except (ExportError, FileNotFoundError, ValueError, _checkpoint_error()) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"exported to {out}")

@@ -183,10 +183,9 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
     total = cfg.train.steps if steps is None else steps
     pid, nproc = jax.process_index(), jax.process_count()
     is_main = pid == 0 and not quiet
+    data_dir = resolve_data_dir(cfg.data.path, val_fraction=cfg.data.val_fraction)
     mesh = make_mesh(cfg.mesh)
     layout = RunLayout.from_config(cfg, mesh.size, nproc)
-
-    data_dir = resolve_data_dir(cfg.data.path, val_fraction=cfg.data.val_fraction)
     per_proc = layout.seqs_per_step // nproc
     data_iter = make_train_iterator(data_dir, seq_len=layout.seq_len, batch_size=per_proc,
                                     seed=cfg.data.shuffle_seed, process_index=pid, process_count=nproc,
@@ -213,15 +212,14 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
         o_shapes = jax.eval_shape(tx.init, shapes)
         abs_t = {"opt_state": jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                                            o_shapes, o_sh),
-                 "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
-                 "rng": jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep)}
+                 "step": np.zeros((), np.int32), "rng": np.zeros((2,), np.uint32)}
         params, tstate = ckpt.restore(mngr, run_dir, latest, abs_p, abs_t, data_iter)
-        opt_state, start, rng = tstate["opt_state"], int(tstate["step"]), tstate["rng"]
+        opt_state, start, rng = tstate["opt_state"], int(tstate["step"]), np.asarray(tstate["rng"])
     else:
-        rng = jax.random.PRNGKey(cfg.train.seed)
-        params = jax.jit(init_params, static_argnums=0, out_shardings=p_sh)(cfg.model, rng)
+        key = jax.random.PRNGKey(cfg.train.seed)
+        params = jax.jit(init_params, static_argnums=0, out_shardings=p_sh)(cfg.model, key)
         opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
-        rng = jax.device_put(rng, rep)
+        rng = np.asarray(jax.random.fold_in(key, 1))  # host copy: saved by process 0, same everywhere
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
@@ -279,11 +277,11 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
                 metrics.note(f"step {step}: train loss {loss:.4f}, held-out loss {rec['eval_loss']:.4f}")
             metrics.log(rec, show=step % cfg.train.log_every == 0)
             if step % cfg.train.ckpt_every == 0 or step == total or stop.signal is not None:
-                ckpt.save(mngr, step, params, {"opt_state": opt_state, "step": jnp.asarray(step, jnp.int32),
+                ckpt.save(mngr, step, params, {"opt_state": opt_state, "step": np.asarray(step, np.int32),
                                                 "rng": rng}, data_iter, cfg)
                 last_good = step
         if stop.signal is not None and last_good != step:
-            ckpt.save(mngr, step, params, {"opt_state": opt_state, "step": jnp.asarray(step, jnp.int32),
+            ckpt.save(mngr, step, params, {"opt_state": opt_state, "step": np.asarray(step, np.int32),
                                             "rng": rng}, data_iter, cfg)
     finally:
         mngr.wait_until_finished()

@@ -207,10 +207,45 @@ def test_cli_missing_step_lists_available(tmp_path, exported, monkeypatch, capsy
     assert "no such directory" in capsys.readouterr().err
 
 
-def test_cli_real_checkpoint_if_available(tmp_path):
-    """With the lead's checkpoint module: a missing step lists the available ones (real orbax run)."""
+def _write_run(run_dir, params, cfg, steps):
+    """A run dir in laplace_jax.checkpoint's layout (params + meta only; what export reads)."""
+    import orbax.checkpoint as ocp
+    from laplace_jax.checkpoint import FORMAT, checkpoint_dir
+    from laplace_jax.config import Config, config_to_dict
+    full = Config(model=cfg)
+    for step in steps:
+        d = checkpoint_dir(run_dir) / str(step)
+        ckptr = ocp.StandardCheckpointer()
+        ckptr.save(d / "params", params)
+        ckptr.wait_until_finished()
+        (d / "meta").mkdir(parents=True)
+        (d / "meta" / "metadata").write_text(json.dumps(
+            {"format": FORMAT, "step": step, "config": config_to_dict(full)}))
+
+
+def test_cli_real_checkpoint(tmp_path, exported, capsys):
+    """The lead's orbax layout → `python -m export` → torch logits = JAX logits; bad steps listed."""
+    jax = pytest.importorskip("jax")
     try:
-        ckpt = importlib.import_module("laplace_jax.checkpoint")
+        importlib.import_module("laplace_jax.checkpoint")
     except ImportError:
         pytest.skip("laplace_jax.checkpoint not written yet")
-    assert hasattr(ckpt, "load_params") and hasattr(ckpt, "available_steps")
+    model = importlib.import_module("laplace_jax.model")
+    cfg, params, _ = exported
+    run = tmp_path / "run"
+    _write_run(run, params, cfg, [10, 20])
+    from export.__main__ import main
+    assert main(["--checkpoint", str(run), "--step", "15", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "15" in err and "available steps: 10, 20" in err, err
+    assert main(["--checkpoint", str(run), "--step", "10", "--out", str(tmp_path / "o")]) == 0
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["laplace_step"] == 10
+    toks = np.random.default_rng(4).integers(0, cfg.vocab_size, (1, cfg.seq_len))
+    jl = np.asarray(model.LaplaceLM(cfg).apply({"params": params}, jax.numpy.asarray(toks)))
+    with torch.no_grad():
+        tl = LaplaceForCausalLM.from_pretrained(tmp_path / "o")(torch.tensor(toks))[0].numpy()
+    assert np.abs(tl - jl).max() / np.abs(jl).max() <= 1e-4
+    empty = tmp_path / "empty_run"
+    empty.mkdir()
+    assert main(["--checkpoint", str(empty), "--out", str(tmp_path / "o3")]) == 2
+    assert "no checkpoints" in capsys.readouterr().err

@@ -215,6 +215,19 @@ def test_optimizer_steps_bit_identical(request, mesh_shape, names):
             assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_no_cond_in_the_update():
+    """Neuron has no lax.cond: the traced update (every comm path) must not contain one."""
+    _, mcfg = _tiny_tree(num_layers=3)
+    abstract = param_shapes(mcfg)
+    mesh = _mesh((NDEV,), ("fsdp",))
+    for comm in ("all_to_all", "gather"):
+        ocfg = dataclasses.replace(load_config("laplace_tiny").optim, muon_comm=comm)
+        tx, _ = build_optimizer(ocfg, abstract, mesh=mesh if jax.device_count() >= NDEV else None)
+        state = jax.eval_shape(tx.init, abstract)
+        text = str(jax.make_jaxpr(tx.update)(abstract, state, abstract))
+        assert "cond[" not in text and "switch" not in text
+
+
 # ----------------------------------------------------------------------------- assignment, schedule
 
 def test_assignment_laplace_3b():
@@ -267,6 +280,14 @@ def test_traffic_analytic_3b():
     assert r["ratio"] >= 40
     assert r["wire_padding"] < 128 / 96                        # better than the article's padding
     assert r["wire_padding"] >= r["wire_padding_lower_bound"]
+
+
+def test_traffic_cli_analytic(capsys):
+    from laplace_jax.optim.traffic import main
+    assert main(["--config", "laplace_3b", "--ranks", "64", "--analytic", "--json"]) == 0
+    import json
+    r = json.loads(capsys.readouterr().out)
+    assert r["all_to_all_bytes"] == 213_909_504 and r["gather_bytes"] == 10_871_635_968
 
 
 def test_traffic_hlo_matches_analytic(request):

@@ -9,8 +9,15 @@ back. Under SPMD every rank runs the same program, so:
   whole ``[m_k, n_k]`` matrix, or zeros where the rank owns fewer (this is compute, not traffic);
 * the all_to_all moves one flat chunk of ``C`` elements per (source, destination) pair. A chunk
   carries only the row shards of the matrices its destination really owns, packed back to back in
-  that owner's layout, so the padding on the wire is ``N*C - sum(sizes)/...`` -- the gap between the
-  most loaded owner and the mean -- not whole empty matrices.
+  that owner's layout (the owner finds them at offsets looked up by its rank id), so each rank sends
+  ``N*C = max over owners of the elements they own`` per all_to_all: the wire padding is the gap
+  between the most loaded owner and the even share ``sum(sizes)/N``, never whole empty matrices.
+
+Limits (3B, 64 ranks): the even share is 42.5 M elements, but an owner holds whole matrices and
+W_12 alone is 50.3 M, so ``50.3/42.5 = 1.185`` is the floor for any whole-matrix scheme. With one
+slot per kind (``ceil(24/64) = 1``) the best packing is 53.5 M (W_qkvg + W_3 on 8 ranks): 1.259,
+against the article's 96 -> 128 slots = 1.333. Reaching 1.185 needs two W_3 slots on every rank,
+i.e. more executed Newton–Schulz under SPMD; not worth it.
 
 Owners are chosen by longest-processing-time greedy on matrix size (largest first, to the least
 loaded rank that still has a free slot of that kind, ties to the lowest rank). That staggers the

@@ -135,20 +135,24 @@ def run(config: str, n_ranks: int, comm_dtype: str | None = None) -> dict[str, A
     }
 
 
+def _b(n: float) -> str:
+    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.3f} MB"
+
+
 def _fmt(r: dict[str, Any]) -> str:
-    gb = 1e9
     lines = [f"Muon traffic per rank per step: {r['config']}, {r['n_ranks']} ranks, "
              f"{r['n_matrices']} matrices ({r['muon_params']:,} params), wire dtype {r['comm_dtype']}"]
     for name in ("all_to_all", "gather"):
         m = r[name]
-        ops = ", ".join(f"{op} x{v['count']}: {v['elements'] * (m['bytes_at_comm_dtype'] / max(1, m['elements'])) / gb:.3f} GB"
+        per = m["bytes_at_comm_dtype"] / max(1, m["elements"])
+        ops = ", ".join(f"{op} x{v['count']}: {_b(v['elements'] * per)}"
                         for op, v in m["collectives"].items() if v["count"])
-        lines.append(f"  {name:10s}: {m['bytes_at_comm_dtype'] / gb:7.3f} GB  ({ops}; "
-                     f"CPU executable moves {m['bytes_compiled_cpu'] / gb:.3f} GB)")
+        lines.append(f"  {name:10s}: {_b(m['bytes_at_comm_dtype']):>10s}  ({ops}; "
+                     f"CPU executable moves {_b(m['bytes_compiled_cpu'])})")
     a = r["analytic"]
     lines += [
         f"  ratio gather/all_to_all: {r['ratio']:.1f}x   (article: 10.87 GB / 0.45 GB = 24x)",
-        f"  analytic check: all_to_all {a['all_to_all_bytes'] / gb:.3f} GB, gather {a['gather_bytes'] / gb:.3f} GB",
+        f"  analytic check: all_to_all {_b(a['all_to_all_bytes'])}, gather {_b(a['gather_bytes'])}",
         f"  wire padding (all_to_all operand / even share): {r['wire_padding']:.3f} "
         f"(article 128/96 = 1.333; whole-matrix lower bound {r['wire_padding_lower_bound']:.3f})",
         f"  Newton-Schulz FLOP balance: useful max/mean {r['ns_flops_max_over_mean']:.3f}; "
