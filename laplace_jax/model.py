@@ -99,8 +99,8 @@ class LaplaceLM(nn.Module):
     def __call__(self, tokens: Array) -> Array:
         return forward(self._params(), tokens, self.cfg)
 
-    def prefill(self, tokens: Array) -> tuple[Array, dict[str, Array]]:
-        return prefill(self._params(), tokens, self.cfg)
+    def prefill(self, tokens: Array, state: dict[str, Array] | None = None) -> tuple[Array, dict[str, Array]]:
+        return prefill(self._params(), tokens, self.cfg, state)
 
     def decode_step(self, token: Array, state: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
         return decode_step(self._params(), token, state, self.cfg)
@@ -171,22 +171,28 @@ def _ffn(cfg: ModelConfig, lp: Params, x: Array) -> Array:
     return jnp.dot(h, lp["w_3"].astype(cdt), preferred_element_type=F32)
 
 
-def _conv_seq(cfg: ModelConfig, lp: Params, xn: Array) -> tuple[Array, Array]:
-    """Causal depthwise conv over [B, S, D] from a zero window → (u [B, S, D] f32, window [B, C, D])."""
+def _conv_seq(cfg: ModelConfig, lp: Params, xn: Array, window: Array | None) -> tuple[Array, Array]:
+    """Causal depthwise conv over xn [B, S, D] after `window` [B, C, D] (None: zeros)
+    → (silu(conv) [B, S, D] f32, the new window = the last C inputs)."""
     C, S = cfg.conv_kernel, xn.shape[1]
-    xp = jnp.pad(xn, ((0, 0), (C - 1, 0), (0, 0)))
+    if window is None:
+        xp = jnp.pad(xn, ((0, 0), (C - 1, 0), (0, 0)))
+    else:
+        xp = jnp.concatenate([window[:, 1:].astype(xn.dtype), xn], axis=1)
     u = sum(xp[:, j:j + S] * lp["conv_w"][j] for j in range(C)) + lp["conv_b"]
     return jax.nn.silu(u), xp[:, -C:]
 
 
-def _layer_seq(cfg: ModelConfig, lp: Params, x: Array, g_gamma: Array, chunking: dict[str, Any]
-               ) -> tuple[Array, dict[str, Array]]:
-    """One layer over a whole sequence from a zero state. x: [B, S, D] f32 → (x, layer state)."""
+def _layer_seq(cfg: ModelConfig, lp: Params, x: Array, g_gamma: Array, chunking: dict[str, Any],
+               st: dict[str, Array] | None) -> tuple[Array, dict[str, Array]]:
+    """One layer over a sequence, from `st` (None: zero state). x: [B, S, D] f32 → (x, layer state)."""
     cdt = jnp.dtype(cfg.compute_dtype)
-    u, window = _conv_seq(cfg, lp, _layer_norm(x, lp["attn_norm"], cfg.norm_eps))
+    u, window = _conv_seq(cfg, lp, _layer_norm(x, lp["attn_norm"], cfg.norm_eps),
+                          None if st is None else st["conv"])
     qkvg = jnp.dot(u.astype(cdt), lp["w_qkvg"].astype(cdt), preferred_element_type=F32).astype(cdt)
     q, k, v, g = _split_qkvg(cfg, qkvg)
-    o, gla_state = chunk_simple_gla(q, k, v, g_gamma, unroll=cfg.gla_unroll, **chunking)
+    o, gla_state = chunk_simple_gla(q, k, v, g_gamma, unroll=cfg.gla_unroll,
+                                    initial_state=None if st is None else st["gla"], **chunking)
     x = x + _mix_out(cfg, lp, q, k, v, g, o)
     x = x + _ffn(cfg, lp, x)
     return x, {"conv": window.astype(F32), "gla": gla_state}
@@ -235,10 +241,11 @@ def _logits(cfg: ModelConfig, params: Params, x: Array) -> Array:
     return jnp.dot(xn, params["lm_head"].astype(cdt), preferred_element_type=F32)
 
 
-def _run_seq(params: Params, tokens: Array, cfg: ModelConfig, chunking: dict[str, Any]):
+def _run_seq(params: Params, tokens: Array, cfg: ModelConfig, chunking: dict[str, Any],
+             state: dict[str, Array] | None = None):
     g_gamma = decay_log(cfg)
-    fn = lambda lp, x, _: _layer_seq(cfg, lp, x, g_gamma, chunking)  # noqa: E731
-    x, state = _over_layers(cfg, fn, params["layers"], _embed(params, tokens))
+    fn = lambda lp, x, st: _layer_seq(cfg, lp, x, g_gamma, chunking, st)  # noqa: E731
+    x, state = _over_layers(cfg, fn, params["layers"], _embed(params, tokens), state)
     return _logits(cfg, params, x), state
 
 
@@ -251,9 +258,11 @@ def forward(params: Params, tokens: Array, cfg: ModelConfig) -> Array:
     return logits
 
 
-def prefill(params: Params, tokens: Array, cfg: ModelConfig) -> tuple[Array, dict[str, Array]]:
-    """Prompt of any length S from a zero state. tokens: [B, S] → (logits [B, S, vocab], state)."""
-    return _run_seq(params, tokens, cfg, {"chunk_size": min(cfg.chunk_size, tokens.shape[1])})
+def prefill(params: Params, tokens: Array, cfg: ModelConfig, state: dict[str, Array] | None = None
+            ) -> tuple[Array, dict[str, Array]]:
+    """A prompt (or the next piece of one) of any length S, continuing `state` (None: a new
+    sequence). tokens: [B, S] → (logits [B, S, vocab], state)."""
+    return _run_seq(params, tokens, cfg, {"chunk_size": min(cfg.chunk_size, tokens.shape[1])}, state)
 
 
 def decode_step(params: Params, token: Array, state: dict[str, Array], cfg: ModelConfig

@@ -63,6 +63,15 @@ def test_prefill_then_decode_equals_full_sequence(params, tokens, prompt_len):
         assert rel(step_logits, full[:, t]) <= 1e-4, t
 
 
+def test_prefill_in_pieces_continues_the_state(params, tokens):
+    full = _forward(params, tokens, CFG)
+    state, outs = None, []
+    for a, b in ((0, 5), (5, 21), (21, 40), (40, 64)):  # pieces of odd sizes, across chunk edges
+        logits, state = _prefill(params, tokens[:, a:b], CFG, state)
+        outs.append(logits)
+    assert rel(jnp.concatenate(outs, 1), full) <= 1e-4
+
+
 def test_decode_from_zero_state_equals_prefill(params, tokens):
     state = init_state(CFG, 2)
     logits, _ = _prefill(params, tokens[:, :8], CFG)

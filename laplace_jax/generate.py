@@ -1,0 +1,170 @@
+"""`python -m laplace_jax.generate --checkpoint RUN_DIR [--step N] --prompt TEXT [--prompt ...]`
+
+JAX text generation with constant memory: each prompt is prefilled in fixed pieces of
+`chunk_size` tokens (its remainder one token at a time), then the batch decodes one token per
+sequence per step from a fixed-size float32 state. Every compiled shape comes from a fixed set —
+one prefill piece [1, chunk_size] and one decode step per width in `decode_widths` (a batch is
+padded to the next width) — so new prompt lengths or batch sizes never trigger a compilation.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from laplace_jax.config import Config, ModelConfig
+from laplace_jax.model import decode_step, init_state, prefill
+
+Params = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0   # 0: greedy
+    top_k: int = 0             # 0: no top-k cut
+    seed: int = 0
+
+
+def pick_width(n: int, widths: Sequence[int]) -> int:
+    """The smallest configured decode width that holds `n` sequences."""
+    for w in widths:
+        if w >= n:
+            return w
+    raise ValueError(f"{n} sequences exceed the largest decode width {widths[-1]}: "
+                     f"add a larger width to decode_widths or send fewer prompts at once")
+
+
+def _sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
+    """logits [B, V] f32 → token ids [B] int32. Branch-free (no lax.cond)."""
+    if sampling.temperature <= 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / sampling.temperature
+    if sampling.top_k > 0:
+        kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+class Generator:
+    """Batched generation with a fixed set of compiled shapes (see the module doc)."""
+
+    def __init__(self, params: Params, cfg: ModelConfig, widths: Sequence[int], sampling: Sampling = Sampling()):
+        self.params, self.cfg, self.widths, self.sampling = params, cfg, tuple(widths), sampling
+        self.piece = cfg.chunk_size
+        self._prefill = jax.jit(functools.partial(prefill, cfg=cfg))
+        self._decode = jax.jit(self._decode_and_sample)
+
+    def _decode_and_sample(self, params, token, state, key):
+        logits, state = decode_step(params, token, state, self.cfg)
+        return logits, _sample(logits, key, self.sampling), state
+
+    def compiled_shapes(self) -> dict[str, int]:
+        """How many distinct shapes each jitted entry point has compiled so far."""
+        return {"prefill": self._prefill._cache_size(), "decode": self._decode._cache_size()}
+
+    def _prefill_one(self, ids: Sequence[int]) -> tuple[jax.Array, Params]:
+        """One prompt → (last-position logits [V], state of width 1)."""
+        state = init_state(self.cfg, 1)
+        full = len(ids) // self.piece * self.piece
+        logits = None
+        for a in range(0, full, self.piece):
+            out, state = self._prefill(self.params, jnp.asarray([ids[a:a + self.piece]], jnp.int32), state=state)
+            logits = out[0, -1]
+        key = jax.random.PRNGKey(0)
+        for t in ids[full:]:  # the remainder, one token at a time through the width-1 decode step
+            out, _, state = self._decode(self.params, jnp.asarray([t], jnp.int32), state, key)
+            logits = out[0]
+        return logits, state
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 stop_token: int | None = None) -> list[list[int]]:
+        """Token ids of each prompt's continuation (up to max_new_tokens, cut after stop_token)."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        bad = [t for p in prompts for t in p if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        W = pick_width(len(prompts), self.widths)
+        firsts, states = [], []
+        for p in prompts:
+            logits, st = self._prefill_one(list(p))
+            firsts.append(logits)
+            states.append(st)
+        pad = W - len(prompts)
+        state = jax.tree.map(lambda *xs: jnp.concatenate(xs + (jnp.zeros_like(xs[0]),) * pad, axis=1), *states)
+        key = jax.random.PRNGKey(self.sampling.seed)
+        key, sub = jax.random.split(key)
+        logits = jnp.stack(firsts + [jnp.zeros_like(firsts[0])] * pad)
+        token = _sample(logits, sub, self.sampling)
+        out = [[] for _ in prompts]
+        done = np.zeros(len(prompts), bool)
+        for i in range(max_new_tokens):
+            tok = np.asarray(token)[:len(prompts)]
+            for r, t in enumerate(tok):
+                if not done[r]:
+                    out[r].append(int(t))
+                    done[r] = stop_token is not None and int(t) == stop_token
+            if done.all() or i == max_new_tokens - 1:
+                break
+            key, sub = jax.random.split(key)
+            _, token, state = self._decode(self.params, token, state, sub)
+        return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from laplace_jax.checkpoint import CheckpointError, load_params
+    from laplace_jax.data.tokenizer import get_tokenizer
+
+    ap = argparse.ArgumentParser(prog="python -m laplace_jax.generate", description=__doc__.split("\n\n")[1])
+    ap.add_argument("--checkpoint", required=True, help="a training run dir (RUN_DIR)")
+    ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    ap.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ignore-eos", action="store_true", help="do not stop at <|endoftext|>")
+    ap.add_argument("--ids", action="store_true", help="also print the token ids")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+    args = ap.parse_args(argv)
+    try:
+        params, cfg, step = load_params(args.checkpoint, args.step)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    import dataclasses
+    mcfg = dataclasses.replace(cfg.model, compute_dtype=args.dtype)
+    tok = get_tokenizer()
+    gen = Generator(jax.tree.map(jnp.asarray, params), mcfg, cfg.decode_widths,
+                    Sampling(args.temperature, args.top_k, args.seed))
+    prompts = [tok.encode(p) for p in args.prompt]
+    try:
+        outs = gen.generate(prompts, args.max_new_tokens, None if args.ignore_eos else tok.eos_id)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for text, ids, out in zip(args.prompt, prompts, outs):
+        print(f"--- step {step} | prompt: {text!r}")
+        print(text + tok.decode(out))
+        if args.ids:
+            print(f"prompt ids: {ids}\nnew ids: {out}")
+    return 0
+
+
+def load_generator(run_dir: str, step: int | None = None, widths: Sequence[int] | None = None,
+                   sampling: Sampling = Sampling()) -> tuple[Generator, Config]:
+    """A Generator over a checkpoint's parameters (float32)."""
+    from laplace_jax.checkpoint import load_params
+
+    params, cfg, _ = load_params(run_dir, step)
+    return Generator(jax.tree.map(jnp.asarray, params), cfg.model, widths or cfg.decode_widths, sampling), cfg
+
+
+if __name__ == "__main__":
+    sys.exit(main())
