@@ -118,6 +118,7 @@ class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     platform: str = "auto"           # auto | cpu | gpu | neuron
+    neuron_mode: bool = False        # Neuron graph constraints on any platform (on with platform=neuron)
     decode_widths: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # fixed decode batch widths (compiled once each)
     name: str = "laplace"
 

@@ -77,7 +77,13 @@ def make_train_step(cfg: Config, tx: optax.GradientTransformation) -> Callable:
             return jax.tree.map(jnp.add, acc, (loss, grads)), None
 
         zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        (loss, grads), _ = jax.lax.scan(micro, zeros, batch)
+        if cfg.neuron_mode:  # a Python loop: no while loop in the graph (a length-1 scan keeps one)
+            acc = zeros
+            for a in range(batch["inputs"].shape[0]):
+                acc, _ = micro(acc, jax.tree.map(lambda x, a=a: x[a], batch))
+            loss, grads = acc
+        else:
+            (loss, grads), _ = jax.lax.scan(micro, zeros, batch)
         n = batch["inputs"].shape[0]
         loss, grads = loss / n, jax.tree.map(lambda g: g / n, grads)
         updates, opt_state = tx.update(grads, opt_state, params)

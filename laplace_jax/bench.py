@@ -1,0 +1,538 @@
+"""`python -m laplace_jax.bench [--smoke] [--parts gla,train,decode] [--out DIR]`
+
+GPU performance rows of issue 6, measured in one process and printed as one table:
+
+1. ``gla``    Simple GLA forward+backward at B=8 T=2048 H=16 d_k=96 d_v=192 bf16: ours
+              (`chunk_simple_gla`, jit, num_chunks=16) against fla's Triton ``chunk_simple_gla(g_gamma=…)``
+              (run first, in a child process, when torch + CUDA + fla import), same inputs, ratio ours/fla.
+2. ``train``  the 3B training step (Muon + AdamW, remat ``dots_no_batch``): one micro-step
+              (fwd+bwd of B sequences, gradients accumulated into a donated buffer) and the optimizer
+              update timed separately; the article's 524,288 tokens/step is then
+              ``accum`` micro-steps + one update (accum = 524288 / (B * 2048) = 32 at B=8).
+3. ``decode`` `decode_step` (bf16 weights, fp32 state, greedy argmax fed back) at batch widths 1, 64, 256.
+
+Timing: warm-up calls first (compile, autotune), then ``reps`` repetitions of ``iters`` back-to-back
+calls ended by ``block_until_ready`` (torch: ``torch.cuda.synchronize``); the median per call is reported.
+``--smoke`` runs the same code paths on tiny shapes (CPU, < 60 s); its times mean nothing.
+"""
+from __future__ import annotations
+
+import os
+
+# Let the 3B step use most of the card (JAX preallocates 75 % by default). Harmless on CPU.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import gc  # noqa: E402
+import glob  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+N_PARAMS_3B = 3.0276e9          # the article's parameter count, for 6N FLOP/token
+PEAK_BF16 = 989e12              # H200 dense bf16, datasheet
+ARTICLE_TOKENS_PER_STEP = 524288
+
+GLA_FULL = dict(B=8, T=2048, H=16, K=96, V=192)
+GLA_SMOKE = dict(B=2, T=64, H=2, K=8, V=16)
+
+
+# ----------------------------------------------------------------------------- table
+
+class Table:
+    def __init__(self):
+        self.rows: list[dict[str, Any]] = []
+
+    def add(self, section: str, item: str, value: float | None, unit: str, note: str = "") -> None:
+        self.rows.append(dict(section=section, item=item, value=value, unit=unit, note=note))
+        print(f"[bench] {section:7s} {item:52s} {_fmt(value):>12s} {unit:10s} {note}", flush=True)
+
+    def markdown(self) -> str:
+        out = ["| section | item | value | unit | note |", "|---|---|---:|---|---|"]
+        for r in self.rows:
+            out.append(f"| {r['section']} | {r['item']} | {_fmt(r['value'])} | {r['unit']} | {r['note']} |")
+        return "\n".join(out)
+
+
+def _fmt(v: float | None) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, str):
+        return v
+    a = abs(v)
+    if a >= 1e4:
+        return f"{v:,.0f}"
+    if a >= 100:
+        return f"{v:.1f}"
+    if a >= 1:
+        return f"{v:.3f}"
+    return f"{v:.4g}"
+
+
+def _median_time(call: Callable[[], Any], sync: Callable[[Any], Any], iters: int, reps: int,
+                 warmup: int = 2) -> tuple[float, list[float]]:
+    """Median seconds per call over `reps` blocks of `iters` back-to-back calls (after `warmup`)."""
+    out = None
+    for _ in range(warmup):
+        out = call()
+    sync(out)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = call()
+        sync(out)
+        times.append((time.perf_counter() - t0) / iters)
+    return statistics.median(times), times
+
+
+def _spread(ts: list[float]) -> str:
+    return f"min {min(ts) * 1e3:.3f} / max {max(ts) * 1e3:.3f} ms over {len(ts)} reps"
+
+
+# ----------------------------------------------------------------------------- GLA inputs (shared by both sides)
+
+def gla_inputs(B: int, T: int, H: int, K: int, V: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """float32 NumPy inputs; both frameworks cast them to bf16. Decays as in the model (half-life 1..2048)."""
+    r = np.random.default_rng(seed)
+    return dict(q=r.standard_normal((B, T, H, K), np.float32),
+                k=r.standard_normal((B, T, H, K), np.float32),
+                v=r.standard_normal((B, T, H, V), np.float32),
+                do=r.standard_normal((B, T, H, V), np.float32),
+                g=(-np.log(2.0) / np.geomspace(1.0, 2048.0, H)).astype(np.float32))
+
+
+def fla_worker(shape_json: str, out_dir: str, iters: int, reps: int) -> None:
+    """Child process: fla chunk_simple_gla fwd+bwd with torch, results to out_dir/fla.json (+ .npz)."""
+    import torch
+    from fla.ops.simple_gla import chunk_simple_gla as fla_gla
+
+    shape = json.loads(shape_json)
+    x = gla_inputs(**shape)
+    dev = "cuda"
+    q, k, v, do = (torch.tensor(x[n], device=dev).to(torch.bfloat16) for n in ("q", "k", "v", "do"))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    g = torch.tensor(x["g"], device=dev)
+
+    def step():
+        o, _ = fla_gla(q, k, v, g_gamma=g)
+        dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
+        return o, dq, dk, dv
+
+    med, ts = _median_time(step, lambda _: torch.cuda.synchronize(), iters, reps, warmup=3)
+    o, dq, dk, dv = step()
+    torch.cuda.synchronize()
+    np.savez(Path(out_dir) / "fla_out.npz", **{n: t[:1].float().cpu().numpy() for n, t in
+                                             (("o", o), ("dq", dq), ("dk", dk), ("dv", dv))})
+    info = dict(median_s=med, times=ts, torch=torch.__version__, device=torch.cuda.get_device_name(0))
+    (Path(out_dir) / "fla.json").write_text(json.dumps(info))
+
+
+def run_fla(shape: dict[str, int], iters: int, reps: int, tmp: str) -> dict[str, Any]:
+    """Run fla in a child (its CUDA context and memory are gone before JAX takes the card)."""
+    try:
+        import importlib.util
+        if importlib.util.find_spec("torch") is None or importlib.util.find_spec("fla") is None:
+            return {"skipped": "torch or fla not importable"}
+    except Exception as e:  # noqa: BLE001
+        return {"skipped": f"import check failed: {e}"}
+    code = ("import sys; from laplace_jax.bench import fla_worker; "
+            "fla_worker(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))")
+    env = dict(os.environ)
+    env.pop("JAX_PLATFORMS", None)
+    p = subprocess.run([sys.executable, "-c", code, json.dumps(shape), tmp, str(iters), str(reps)],
+                       capture_output=True, text=True, env=env, timeout=900)
+    if p.returncode != 0:
+        tail = (p.stderr or p.stdout).strip().splitlines()[-6:]
+        return {"skipped": "fla child failed: " + " | ".join(tail)}
+    info = json.loads((Path(tmp) / "fla.json").read_text())
+    info["out"] = dict(np.load(Path(tmp) / "fla_out.npz"))
+    return info
+
+
+# ----------------------------------------------------------------------------- GLA variants (ours)
+
+def _gla_fwd_bwd(gla_fn: Callable, g):
+    import jax
+
+    def f(q, k, v, do):
+        o, vjp = jax.vjp(lambda q, k, v: gla_fn(q, k, v, g), q, k, v)
+        return (o, *vjp(do))
+    return jax.jit(f)
+
+
+def bench_gla(t: Table, shape: dict[str, int], iters: int, reps: int, fla: dict[str, Any] | None,
+              variants: bool, results: dict[str, Any]) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from laplace_jax.ops.gla import chunk_simple_gla
+
+    x = gla_inputs(**shape)
+    q, k, v, do = (jnp.asarray(x[n], jnp.bfloat16) for n in ("q", "k", "v", "do"))
+    g = jnp.asarray(x["g"])
+    B, T, H, K, V = (shape[n] for n in "BTHKV")
+    flop_fwd = 2 * B * T * H * (T // 16 * K + T // 16 * V + 2 * K * V)   # scores, o_intra, contrib, o_inter
+    forms: dict[str, Callable] = {
+        "ours chunk_simple_gla (num_chunks=16)": lambda q, k, v, g: chunk_simple_gla(q, k, v, g, num_chunks=16)[0],
+    }
+    if variants:
+        forms["ours chunk_simple_gla (num_chunks=32, C=64)"] = \
+            lambda q, k, v, g: chunk_simple_gla(q, k, v, g, num_chunks=32)[0]
+        forms["ours chunk_simple_gla (num_chunks=8, C=256)"] = \
+            lambda q, k, v, g: chunk_simple_gla(q, k, v, g, num_chunks=8)[0]
+    fla_s = None
+    if fla and "median_s" in fla:
+        fla_s = fla["median_s"]
+        t.add("gla", "fla chunk_simple_gla(g_gamma) fwd+bwd", fla_s * 1e3, "ms",
+              f"torch {fla['torch']}, {_spread(fla['times'])}")
+    elif fla:
+        t.add("gla", "fla chunk_simple_gla(g_gamma) fwd+bwd", None, "ms", fla.get("skipped", ""))
+    for name, fn in forms.items():
+        try:
+            f = _gla_fwd_bwd(fn, g)
+            med, ts = _median_time(lambda: f(q, k, v, do), jax.block_until_ready, iters, reps, warmup=3)
+            note = _spread(ts) + f"; ~{3 * flop_fwd / med / 1e12:.0f} TFLOP/s (3x fwd FLOP)"
+            if fla and "out" in fla and name.startswith("ours chunk_simple_gla (num_chunks=16)"):
+                outs = f(q, k, v, do)
+                errs = []
+                for n, a in zip(("o", "dq", "dk", "dv"), outs):
+                    a = np.asarray(a[:1].astype(jnp.float32), np.float64)
+                    ref = fla["out"][n].astype(np.float64)
+                    errs.append(f"{n} {np.linalg.norm(a - ref) / np.linalg.norm(ref):.1e}")
+                note += "; rel.err vs fla " + ", ".join(errs)
+            t.add("gla", name + " fwd+bwd", med * 1e3, "ms", note)
+            results.setdefault("gla", {})[name] = med
+            if fla_s and name.startswith("ours chunk_simple_gla (num_chunks=16)"):
+                t.add("gla", "ratio ours/fla (same run)", med / fla_s, "x", "target <= 1.0")
+        except Exception as e:  # noqa: BLE001
+            t.add("gla", name + " fwd+bwd", None, "ms", f"failed: {type(e).__name__}: {str(e)[:160]}")
+
+
+# ----------------------------------------------------------------------------- training step
+
+def _loss_fn(params, batch, mcfg):
+    """= laplace_jax.train.loss_fn (not imported: train.py imports grain via laplace_jax.data)."""
+    import optax
+
+    from laplace_jax.model import forward
+    logits = forward(params, batch["inputs"], mcfg)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+def _profile_summary(fn: Callable[[], Any], sync, trace_dir: Path, top: int = 25) -> list[tuple[str, float, int]]:
+    """Trace `fn` once; return (kernel name, total ms, count) over the GPU planes, largest first."""
+    import jax
+    from jax.profiler import ProfileData
+
+    jax.profiler.start_trace(str(trace_dir))
+    try:
+        sync(fn())
+    finally:
+        jax.profiler.stop_trace()
+    files = glob.glob(str(trace_dir / "**" / "*.xplane.pb"), recursive=True)
+    if not files:
+        return []
+    pd = ProfileData.from_file(files[0])
+    agg: dict[str, list[float]] = {}
+    for pl in pd.planes:
+        if not pl.name.startswith("/device:GPU"):
+            continue
+        for ln in pl.lines:
+            if not ln.name.startswith("Stream"):
+                continue
+            for ev in ln.events:
+                a = agg.setdefault(ev.name, [0.0, 0])
+                a[0] += ev.duration_ns / 1e6
+                a[1] += 1
+    rows = sorted(((k, v[0], v[1]) for k, v in agg.items()), key=lambda r: -r[1])
+    return rows[:top] + [("(all kernels)", sum(r[1] for r in rows), sum(r[2] for r in rows))]
+
+
+def _classify(name: str) -> str:
+    n = name.lower()
+    if any(s in n for s in ("gemm", "nvjet", "xmma", "cutlass", "matmul", "dot", "wgmma")):
+        return "matmul"
+    if "memcpy" in n or "memset" in n:
+        return "copy"
+    return "other (fusions: elementwise, reductions, transposes)"
+
+
+def bench_train(t: Table, cfg, micro_batches: list[int], iters: int, reps: int, out_dir: Path | None,
+                profile: bool, results: dict[str, Any], n_params_flop: float, peak: float,
+                tokens_per_step: int) -> Any:
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from laplace_jax.model import init_params
+    from laplace_jax.optim import build_optimizer
+
+    mcfg = cfg.model
+    S = mcfg.seq_len
+    t0 = time.perf_counter()
+    params = init_params(mcfg, jax.random.PRNGKey(0))
+    n_real = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
+    tx, _ = build_optimizer(cfg.optim, params)           # mesh=None: single-device Muon
+    opt_state = jax.jit(tx.init)(params)
+    jax.block_until_ready(opt_state)
+    t.add("train", "parameters (from the real tree)", float(n_real), "", f"6N uses N={n_params_flop:.4e}; "
+          f"init {time.perf_counter() - t0:.1f} s")
+    grad_fn = jax.value_and_grad(_loss_fn)
+
+    def micro(params, acc, batch):
+        loss, grads = grad_fn(params, batch, mcfg)
+        return jax.tree.map(jnp.add, acc, (loss, grads))
+
+    def update(params, opt_state, acc, n):
+        loss, grads = acc
+        grads = jax.tree.map(lambda g: g / n, grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss / n
+
+    micro_j = jax.jit(micro, donate_argnums=(1,))
+    update_j = jax.jit(update, donate_argnums=(0, 1), static_argnums=(3,))
+    rng = np.random.default_rng(0)
+    dev = jax.devices()[0]
+    best = None
+    acc = None
+    for B in micro_batches:
+        accum = max(1, tokens_per_step // (B * S))
+        try:
+            toks = rng.integers(0, mcfg.vocab_size, (B, S + 1), dtype=np.int32)
+            batch = {"inputs": jnp.asarray(toks[:, :-1]), "targets": jnp.asarray(toks[:, 1:])}
+            acc = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+            tc = time.perf_counter()
+            compiled = micro_j.lower(params, acc, batch).compile()
+            ct = time.perf_counter() - tc
+            mem = None
+            try:
+                ma = compiled.memory_analysis()
+                mem = (ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes
+                       - ma.alias_size_in_bytes) / 2**30
+            except Exception:  # noqa: BLE001
+                pass
+            state = {"acc": acc}
+
+            def call():
+                state["acc"] = micro_j(params, state["acc"], batch)
+                return state["acc"]
+            med, ts = _median_time(call, jax.block_until_ready, iters, reps, warmup=2)
+            acc = state["acc"]
+            loss0 = float(acc[0])
+            results.setdefault("train", {})[f"micro_B{B}"] = med
+            tok_micro = B * S / med
+            t.add("train", f"micro-step fwd+bwd B={B} x {S}", med * 1e3, "ms",
+                  f"{tok_micro:,.0f} tok/s in the micro-step alone; compile {ct:.0f} s; "
+                  f"XLA memory estimate {mem:.1f} GiB; {_spread(ts)}" if mem is not None else _spread(ts))
+            if not math.isfinite(loss0):
+                t.add("train", f"micro-step B={B} loss", loss0, "", "NON-FINITE")
+            stats = dev.memory_stats() or {}
+            if "peak_bytes_in_use" in stats:
+                t.add("train", f"peak device memory after B={B} (cumulative)", stats["peak_bytes_in_use"] / 2**30,
+                      "GiB", "memory_stats peak_bytes_in_use (params+opt state+grad acc+activations)")
+            best = (B, med, accum) if best is None or B * S / med > best[0] * S / best[1] else best
+            if profile and out_dir is not None and B == micro_batches[0]:
+                try:
+                    rows = _profile_summary(call, jax.block_until_ready, Path(tempfile.mkdtemp()) / "trace")
+                    total = rows[-1][1] if rows else 0.0
+                    cls: dict[str, float] = {}
+                    for name, ms, _ in rows[:-1]:
+                        cls[_classify(name)] = cls.get(_classify(name), 0.0) + ms
+                    lines = [f"{ms:10.2f} ms {cnt:6d}x  {name[:150]}" for name, ms, cnt in rows]
+                    (out_dir / "profile_train.txt").write_text("\n".join(lines) + "\n")
+                    print("[bench] profile of one micro-step (top kernels):\n" + "\n".join(lines[:12]), flush=True)
+                    t.add("train", f"profile: kernel time in one micro-step B={B}", total, "ms",
+                          "sum over GPU streams; top-25 by class: " +
+                          ", ".join(f"{k} {v:.0f} ms" for k, v in sorted(cls.items(), key=lambda kv: -kv[1])))
+                except Exception as e:  # noqa: BLE001
+                    t.add("train", "profile", None, "", f"failed: {type(e).__name__}: {str(e)[:120]}")
+            del batch
+        except Exception as e:  # noqa: BLE001
+            msg = str(e).splitlines()[0][:200]
+            t.add("train", f"micro-step fwd+bwd B={B} x {S}", None, "ms", f"failed: {type(e).__name__}: {msg}")
+            acc = None
+            gc.collect()
+    if best is None:
+        return params
+    B, t_micro, accum = best
+    if acc is None:
+        acc = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    try:
+        state = {"p": params, "o": opt_state}
+        tc = time.perf_counter()
+        update_j.lower(params, opt_state, acc, accum).compile()
+        ct = time.perf_counter() - tc
+
+        def ucall():
+            state["p"], state["o"], loss = update_j(state["p"], state["o"], acc, accum)
+            return state["p"]
+        med, ts = _median_time(ucall, jax.block_until_ready, max(1, iters // 2), reps, warmup=2)
+        params, opt_state = state["p"], state["o"]
+        results["train"]["update"] = med
+        t.add("train", "optimizer update (clip + Muon NS5 x96 + AdamW)", med * 1e3, "ms",
+              f"compile {ct:.0f} s; {_spread(ts)}")
+        step = accum * t_micro + med
+        tok_s = tokens_per_step / step
+        mfu = tok_s * 6 * n_params_flop / peak
+        results["train"].update(step_s=step, tok_s=tok_s, mfu=mfu, B=B)
+        t.add("train", f"step of {tokens_per_step:,} tokens = {accum} x micro(B={B}) + 1 update", step, "s",
+              "computed from the two medians above")
+        t.add("train", "training throughput", tok_s, "tok/s", "target >= 28,000")
+        t.add("train", "MFU (6N FLOP/token, 989 TFLOP/s)", 100 * mfu, "%", "target >= 64 %")
+        stats = dev.memory_stats() or {}
+        if "peak_bytes_in_use" in stats:
+            t.add("train", "peak device memory, whole train section", stats["peak_bytes_in_use"] / 2**30, "GiB",
+                  f"of {stats.get('bytes_limit', 0) / 2**30:.0f} GiB usable by JAX")
+    except Exception as e:  # noqa: BLE001
+        t.add("train", "optimizer update", None, "ms", f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    del opt_state, acc
+    gc.collect()
+    return params
+
+
+# ----------------------------------------------------------------------------- decode
+
+def bench_decode(t: Table, cfg, params, widths: list[int], iters: int, reps: int,
+                 results: dict[str, Any]) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from laplace_jax.model import decode_step, init_params, init_state, state_bytes_per_sequence
+
+    mcfg = dataclasses.replace(cfg.model, remat="none")
+    if params is None:
+        params = init_params(mcfg, jax.random.PRNGKey(0))
+    cdt = jnp.dtype(mcfg.compute_dtype)
+    p16 = jax.jit(lambda p: jax.tree.map(lambda a: a.astype(cdt), p))(params)
+    del params
+    gc.collect()
+
+    def step(p, tok, st):
+        logits, st = decode_step(p, tok, st, mcfg)
+        return jnp.argmax(logits, -1).astype(jnp.int32), st
+
+    step_j = jax.jit(step, donate_argnums=(2,))
+    t.add("decode", "state bytes per sequence (fp32)", float(state_bytes_per_sequence(mcfg)), "B", "")
+    for w in widths:
+        try:
+            st = init_state(mcfg, w)
+            tok = jnp.zeros((w,), jnp.int32)
+            box = {"tok": tok, "st": st}
+
+            def call():
+                box["tok"], box["st"] = step_j(p16, box["tok"], box["st"])
+                return box["tok"]
+            tc = time.perf_counter()
+            call()
+            jax.block_until_ready(box["tok"])
+            ct = time.perf_counter() - tc
+            med, ts = _median_time(call, jax.block_until_ready, iters, reps, warmup=2)
+            results.setdefault("decode", {})[w] = med
+            t.add("decode", f"decode_step width {w}", med * 1e3, "ms/step",
+                  f"{w / med:,.0f} out tok/s; first call {ct:.1f} s; {_spread(ts)}")
+            del box, st
+            gc.collect()
+        except Exception as e:  # noqa: BLE001
+            t.add("decode", f"decode_step width {w}", None, "ms/step",
+                  f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m laplace_jax.bench", description=__doc__.split("\n\n")[1])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU, < 60 s): checks the code paths")
+    ap.add_argument("--parts", default="gla,train,decode", help="comma list of gla, train, decode")
+    ap.add_argument("--config", default="laplace_3b", help="model/optimizer config for train and decode")
+    ap.add_argument("--micro-batches", default="8,16", help="train micro-batch sizes to try (largest tok/s is used)")
+    ap.add_argument("--decode-widths", default="1,64,256")
+    ap.add_argument("--gla-variants", action="store_true", help="also time other chunk sizes")
+    ap.add_argument("--no-fla", action="store_true", help="skip the fla (torch/Triton) comparison")
+    ap.add_argument("--profile", action="store_true", help="trace one train micro-step, kernel-time summary")
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for bench.json / bench.md")
+    args = ap.parse_args(argv)
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    out_dir = Path(args.out) if args.out else None
+    if out_dir:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    t = Table()
+    results: dict[str, Any] = {}
+
+    from laplace_jax.config import load_config
+    if args.smoke:
+        cfg = load_config("laplace_tiny", ["model.vocab_size=512", "model.seq_len=64", "model.remat=dots_no_batch",
+                                           "model.compute_dtype=bfloat16", "train.batch_tokens=256"])
+        gla_shape, micro_batches, widths = GLA_SMOKE, [2], [1, 4]
+        iters, reps = 2, args.reps or 3
+        n_flop = None
+    else:
+        cfg = load_config(args.config)
+        gla_shape = GLA_FULL
+        micro_batches = [int(b) for b in args.micro_batches.split(",") if b]
+        widths = [int(w) for w in args.decode_widths.split(",") if w]
+        iters, reps = 10, args.reps or 7
+        n_flop = N_PARAMS_3B if args.config == "laplace_3b" else None
+
+    fla = None
+    if "gla" in parts and not args.no_fla and not args.smoke:
+        with tempfile.TemporaryDirectory() as tmp:
+            fla = run_fla(gla_shape, iters * 2, reps, tmp)
+        if "skipped" in fla:
+            print(f"[bench] fla: {fla['skipped']}", flush=True)
+
+    import jax
+    dev = jax.devices()[0]
+    kind = f"{dev.platform}:{dev.device_kind}"
+    print(f"[bench] jax {jax.__version__} on {kind} ({jax.device_count()} device(s))", flush=True)
+    t.add("env", "device", None, "", f"{kind}; jax {jax.__version__}")
+    if args.smoke:
+        t.rows[-1]["note"] += "; SMOKE: tiny shapes, times meaningless"
+
+    if "gla" in parts:
+        bench_gla(t, gla_shape, iters * 2, reps, fla, args.gla_variants, results)
+    params = None
+    if "train" in parts:
+        from laplace_jax.model import param_shapes
+        if n_flop is None:
+            n_flop = float(sum(int(np.prod(s.shape)) for s in jax.tree.leaves(param_shapes(cfg.model))))
+        tokens = cfg.train.batch_tokens if args.smoke else ARTICLE_TOKENS_PER_STEP
+        try:
+            params = bench_train(t, cfg, micro_batches, 3 if not args.smoke else iters, reps if args.smoke else 5,
+                                 out_dir, args.profile, results, n_flop, PEAK_BF16, tokens)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            t.add("train", "train section", None, "", f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            params = None
+        gc.collect()
+    if "decode" in parts:
+        try:
+            bench_decode(t, cfg, params, widths, 20 if not args.smoke else iters, reps, results)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            t.add("decode", "decode section", None, "", f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    t.add("env", "bench wall time", time.perf_counter() - t_start, "s", "")
+    md = t.markdown()
+    print("\n" + md, flush=True)
+    if out_dir:
+        (out_dir / "bench.md").write_text(md + "\n")
+        (out_dir / "bench.json").write_text(json.dumps({"rows": t.rows, "results": results,
+                                                         "argv": sys.argv[1:]}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

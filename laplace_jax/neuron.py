@@ -1,0 +1,89 @@
+"""Neuron mode: the Trainium2 constraints as config, runtime settings and HLO checks.
+
+`platform: neuron` (or `--platform neuron`) imports jax-neuronx and turns neuron mode on;
+`neuron_mode: true` forces the same graphs on any platform (CPU) so they can be checked here:
+
+- the GLA chunk loop fully unrolled (`model.gla_unroll`): every chunk step is in the graph;
+- the layer stack unrolled when the config says so (`model.scan_layers: false`);
+- gradient accumulation unrolled (the train step's micro-batch loop is a Python loop);
+- the `rbg` PRNG (jax-neuronx: threefry is incomplete), parameters initialised on the host CPU;
+- no `lax.cond`, no host callbacks, only static shapes; decode widths from `decode_widths`.
+
+`hlo_report(text)` counts what the Neuron compiler refuses (conditionals, host callbacks,
+dynamic shapes) and the while loops, in lowered StableHLO or compiled HLO text.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import jax
+
+from laplace_jax.config import Config
+
+
+def neuron_mode(cfg: Config) -> Config:
+    """`cfg` with neuron mode on: unrolled GLA chunk loop (the layer stack follows model.scan_layers)."""
+    return dataclasses.replace(cfg, neuron_mode=True, model=dataclasses.replace(cfg.model, gla_unroll=True))
+
+
+def is_neuron(cfg: Config) -> bool:
+    return cfg.neuron_mode or cfg.platform == "neuron"
+
+
+def use_rbg_prng() -> None:
+    """jax-neuronx supports the `rbg` PRNG (one rng-bit-generator op); threefry is incomplete."""
+    jax.config.update("jax_default_prng_impl", "rbg")
+
+
+def host_cpu() -> Any:
+    """The host CPU device (with `platform: neuron` the platforms are `neuron,cpu`)."""
+    return jax.devices("cpu")[0]
+
+
+def host_init_params(model_cfg, key: jax.Array, shardings: Any = None) -> Any:
+    """Random parameters computed on the host CPU (RNG-heavy init stays off the accelerator),
+    then placed with `shardings` (None: left on the host)."""
+    from laplace_jax.model import init_params
+
+    cpu = host_cpu()
+    with jax.default_device(cpu):
+        params = init_params(model_cfg, jax.device_put(key, cpu))
+    return params if shardings is None else jax.device_put(params, shardings)
+
+
+# ----------------------------------------------------------------------------- HLO checks
+
+# StableHLO (lowered, `jit(f).lower(...).as_text()`) and HLO (compiled, `.compile().as_text()`).
+_WHILE = re.compile(r"stablehlo\.while\b|\bwhile\(")
+_COND = re.compile(r"stablehlo\.(?:case|if)\b|\bconditional\(")
+_CALLBACK = re.compile(r"custom_call(?:_target=\"|\s+@)[\w.$]*callback\w*", re.I)
+_HOST_IO = re.compile(r"stablehlo\.(?:infeed|outfeed|send|recv)\b|\b(?:infeed|outfeed|send|recv)(?:-done)?\(")
+_DYN_OPS = re.compile(r"stablehlo\.(?:dynamic_broadcast_in_dim|dynamic_reshape|dynamic_iota|dynamic_pad|"
+                      r"dynamic_gather|dynamic_conv|real_dynamic_slice|get_dimension_size|set_dimension_size)\b|"
+                      r"\b(?:get|set)-dimension-size\(")
+_DYN_DIMS = re.compile(r"tensor<(?:[^>]*x)?\?|#stablehlo\.bounds|\[[^\]]*<=\d")
+_TRIP = re.compile(r"\bwhile\(.*?known_trip_count\":\{\"n\":\"(\d+)\"")
+
+
+def hlo_report(text: str) -> dict[str, Any]:
+    """Counts in lowered StableHLO or compiled HLO text. `trip_counts` (compiled HLO only): the
+    static trip count of each while loop that XLA could prove (a loop without one is missing)."""
+    return {
+        "while": len(_WHILE.findall(text)),
+        "conditional": len(_COND.findall(text)),
+        "host_callback": len(_CALLBACK.findall(text)) + len(_HOST_IO.findall(text)),
+        "dynamic_shape": len(_DYN_OPS.findall(text)) + len(_DYN_DIMS.findall(text)),
+        "trip_counts": [int(n) for n in _TRIP.findall(text)],
+    }
+
+
+def neuron_violations(text: str, *, allow_while: bool = True) -> list[str]:
+    """What the Neuron compiler would refuse in this HLO text (empty: nothing). While loops are
+    allowed only when `allow_while` (jax-neuronx accepts static while loops)."""
+    r = hlo_report(text)
+    out = [f"{r[k]} {k.replace('_', ' ')} op(s)" for k in ("conditional", "host_callback", "dynamic_shape") if r[k]]
+    if r["while"] and not allow_while:
+        out.append(f"{r['while']} while loop(s)")
+    return out
