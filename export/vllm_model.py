@@ -105,8 +105,10 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
         # context 0 → a new sequence: start from zero (pages are reused without zeroing)
         has_ctx = (md.seq_lens[:nreq] - qlen) > 0
         slots = md.state_indices_tensor[:nreq].long()
-        # padded (CUDA-graph) entries carry PAD_SLOT_ID = -1: send them to the null slot 0
-        slots = torch.where(slots < 0, torch.zeros_like(slots), slots)
+        # Rows that pad a CUDA-graph batch have seq_len 0 and a PAD_SLOT_ID (-1) or a stale slot id
+        # (a freed slot that another sequence may own now): send their writes to the null slot 0.
+        pad = (slots < 0) | (md.seq_lens[:nreq] <= 0)
+        slots = torch.where(pad, torch.zeros_like(slots), slots)
         if n < output.shape[0]:
             output[n:].zero_()
         if nd > 0:

@@ -6,6 +6,7 @@ vLLM calls `register()` in every process it starts; it is idempotent.
 
 ARCH = "LaplaceForCausalLM"
 MODEL_TYPE = "laplace"
+OP = "vllm::laplace_mixer"
 _done = False
 
 
@@ -30,4 +31,11 @@ def register() -> None:
     # mamba_block_size etc. are set by vLLM's own hook for attention-free state models
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP, MambaModelConfig
     MODELS_CONFIG_MAP.setdefault(ARCH, MambaModelConfig)
+
+    # Piecewise CUDA graphs must split at the stateful mixer (its control flow depends on the batch),
+    # as they do at vLLM's own attention / mamba ops.
+    from vllm.config import CompilationConfig
+    ops = getattr(CompilationConfig, "_attention_ops", None)
+    if isinstance(ops, list) and OP not in ops:
+        ops.append(OP)
     _done = True

@@ -42,6 +42,8 @@ import numpy as np  # noqa: E402
 N_PARAMS_3B = 3.0276e9          # the article's parameter count, for 6N FLOP/token
 PEAK_BF16 = 989e12              # H200 dense bf16, datasheet
 ARTICLE_TOKENS_PER_STEP = 524288
+T_START = time.perf_counter()
+SKIP_EXTRA_AFTER_S = float("inf")   # extra micro-batch sizes are skipped once the bench has run this long
 
 GLA_FULL = dict(B=8, T=2048, H=16, K=96, V=192)
 GLA_SMOKE = dict(B=2, T=64, H=2, K=8, V=16)
@@ -133,7 +135,7 @@ def fla_worker(shape_json: str, out_dir: str, iters: int, reps: int) -> None:
     med, ts = _median_time(step, lambda _: torch.cuda.synchronize(), iters, reps, warmup=3)
     o, dq, dk, dv = step()
     torch.cuda.synchronize()
-    np.savez(Path(out_dir) / "fla_out.npz", **{n: t[:1].float().cpu().numpy() for n, t in
+    np.savez(Path(out_dir) / "fla_out.npz", **{n: t[:1].detach().float().cpu().numpy() for n, t in
                                              (("o", o), ("dq", dq), ("dk", dk), ("dv", dv))})
     info = dict(median_s=med, times=ts, torch=torch.__version__, device=torch.cuda.get_device_name(0))
     (Path(out_dir) / "fla.json").write_text(json.dumps(info))
@@ -163,6 +165,45 @@ def run_fla(shape: dict[str, int], iters: int, reps: int, tmp: str) -> dict[str,
 
 # ----------------------------------------------------------------------------- GLA variants (ours)
 
+def gla_headmajor(q, k, v, g_gamma, num_chunks: int = 16, scale: float | None = None, bf16_bwd: bool = False):
+    """Experimental form (bench only): heads-first layout [B, H, N, C, *] and no loop at all -- the
+    state entering chunk c is sum_{m<c} exp(γC(c-1-m)) U_m, one small f32 contraction over chunks;
+    o_intra and o_inter as two products. `bf16_bwd`: the products' backward in bf16 (gla._mm)."""
+    import jax
+    import jax.numpy as jnp
+
+    from laplace_jax.ops.gla import _mm
+    f32 = jnp.float32
+    mm = _mm if bf16_bwd else (lambda spec, a, b: jnp.einsum(spec, a, b, preferred_element_type=f32))
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    n = num_chunks
+    C = T // n
+    cdt = v.dtype
+    sc = K ** -0.5 if scale is None else scale
+    g = g_gamma.astype(f32)
+    hm = lambda a: a.reshape(B, n, C, H, a.shape[-1]).transpose(0, 3, 1, 2, 4)  # noqa: E731
+    qh, kh, vh = hm(q), hm(k), hm(v)
+    pos = jnp.arange(C, dtype=f32)
+    diff = pos[:, None] - pos[None, :]
+    causal = diff >= 0
+    decay = jnp.where(causal[None], jnp.exp(g[:, None, None] * jnp.where(causal, diff, 0.0)[None]), 0.0)
+    q_decay = jnp.exp(g[:, None] * (pos[None, :] + 1.0))           # [H, C]
+    k_decay = jnp.exp(g[:, None] * (C - 1.0 - pos[None, :]))       # [H, C]
+    scores = mm("bhnik,bhnjk->bhnij", qh, kh) * decay[None, :, None]
+    o = mm("bhnij,bhnjv->bhniv", scores.astype(cdt), vh)
+    k_dec = (kh.astype(f32) * k_decay[None, :, None, :, None]).astype(cdt)
+    U = mm("bhnjk,bhnjv->bhnkv", k_dec, vh)
+    ci = jnp.arange(n, dtype=f32)
+    lag = ci[:, None] - 1.0 - ci[None, :]                           # c - 1 - m
+    W = jnp.where(lag[None] >= 0, jnp.exp(g[:, None, None] * C * jnp.maximum(lag, 0.0)[None]), 0.0)
+    s_in = jnp.einsum("hcm,bhmkv->bhckv", W, U, precision=jax.lax.Precision.HIGHEST)
+    q_dec = (qh.astype(f32) * q_decay[None, :, None, :, None]).astype(cdt)
+    o = o + mm("bhnik,bhnkv->bhniv", q_dec, s_in.astype(cdt))
+    o = (sc * o).transpose(0, 2, 3, 1, 4).reshape(B, T, H, V)
+    return o.astype(cdt)
+
+
 def _gla_fwd_bwd(gla_fn: Callable, g):
     import jax
 
@@ -188,10 +229,10 @@ def bench_gla(t: Table, shape: dict[str, int], iters: int, reps: int, fla: dict[
         "ours chunk_simple_gla (num_chunks=16)": lambda q, k, v, g: chunk_simple_gla(q, k, v, g, num_chunks=16)[0],
     }
     if variants:
-        forms["ours chunk_simple_gla (num_chunks=32, C=64)"] = \
-            lambda q, k, v, g: chunk_simple_gla(q, k, v, g, num_chunks=32)[0]
-        forms["ours chunk_simple_gla (num_chunks=8, C=256)"] = \
-            lambda q, k, v, g: chunk_simple_gla(q, k, v, g, num_chunks=8)[0]
+        forms["variant: two products, bf16 backward (num_chunks=16)"] = \
+            lambda q, k, v, g: gla_headmajor(q, k, v, g, num_chunks=16, bf16_bwd=True)
+        forms["variant: two products, plain-autodiff backward (num_chunks=16)"] = \
+            lambda q, k, v, g: gla_headmajor(q, k, v, g, num_chunks=16)
     fla_s = None
     if fla and "median_s" in fla:
         fla_s = fla["median_s"]
@@ -269,9 +310,56 @@ def _classify(name: str) -> str:
     return "other (fusions: elementwise, reductions, transposes)"
 
 
+class _BF16GradDots:
+    """Experimental, bench only (model.py is not changed): stands in for `jnp` inside
+    laplace_jax.model so that every `jnp.dot(x_bf16, w_bf16, preferred_element_type=f32)` runs its
+    backward in bf16 (cotangent cast to bf16, float32 accumulation), like the GLA's own products.
+    Without it the float32 cotangents make the two backward matmuls float32 (TF32) GEMMs."""
+
+    def __init__(self, jnp_module):
+        self._jnp = jnp_module
+
+    def __getattr__(self, name):
+        return getattr(self._jnp, name)
+
+    def dot(self, a, b, *, preferred_element_type=None, **kw):
+        from laplace_jax.ops.gla import _mm
+        jnp = self._jnp
+        if (preferred_element_type is not None and jnp.dtype(preferred_element_type) == jnp.float32
+                and a.dtype == b.dtype == jnp.bfloat16 and b.ndim == 2 and 1 <= a.ndim <= 4 and not kw):
+            lead = "abcd"[:a.ndim - 1]
+            return _mm(f"{lead}x,xy->{lead}y", a, b)
+        return jnp.dot(a, b, preferred_element_type=preferred_element_type, **kw)
+
+
+def _set_bf16_grad_dots(on: bool) -> None:
+    import jax.numpy as jnp
+
+    import laplace_jax.model as M
+    M.jnp = _BF16GradDots(jnp) if on else jnp
+
+
+def _profile_rows(t: Table, section: str, label: str, call, sync, out_dir: Path | None, fname: str) -> None:
+    try:
+        rows = _profile_summary(call, sync, Path(tempfile.mkdtemp()) / "trace")
+        total = rows[-1][1] if rows else 0.0
+        cls: dict[str, float] = {}
+        for name, ms, _ in rows[:-1]:
+            cls[_classify(name)] = cls.get(_classify(name), 0.0) + ms
+        lines = [f"{ms:10.3f} ms {cnt:6d}x  {name[:150]}" for name, ms, cnt in rows]
+        if out_dir is not None:
+            (out_dir / fname).write_text("\n".join(lines) + "\n")
+        print(f"[bench] profile of {label} (top kernels):\n" + "\n".join(lines[:12]), flush=True)
+        t.add(section, f"profile: kernel time in {label}", total, "ms",
+              "sum over GPU streams; top-25 kernels by class: " +
+              ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(cls.items(), key=lambda kv: -kv[1])))
+    except Exception as e:  # noqa: BLE001
+        t.add(section, f"profile of {label}", None, "", f"failed: {type(e).__name__}: {str(e)[:120]}")
+
+
 def bench_train(t: Table, cfg, micro_batches: list[int], iters: int, reps: int, out_dir: Path | None,
                 profile: bool, results: dict[str, Any], n_params_flop: float, peak: float,
-                tokens_per_step: int) -> Any:
+                tokens_per_step: int, bf16_grad_dots: bool = False) -> Any:
     import jax
     import jax.numpy as jnp
     import optax
@@ -289,11 +377,6 @@ def bench_train(t: Table, cfg, micro_batches: list[int], iters: int, reps: int, 
     jax.block_until_ready(opt_state)
     t.add("train", "parameters (from the real tree)", float(n_real), "", f"6N uses N={n_params_flop:.4e}; "
           f"init {time.perf_counter() - t0:.1f} s")
-    grad_fn = jax.value_and_grad(_loss_fn)
-
-    def micro(params, acc, batch):
-        loss, grads = grad_fn(params, batch, mcfg)
-        return jax.tree.map(jnp.add, acc, (loss, grads))
 
     def update(params, opt_state, acc, n):
         loss, grads = acc
@@ -301,17 +384,33 @@ def bench_train(t: Table, cfg, micro_batches: list[int], iters: int, reps: int, 
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss / n
 
-    micro_j = jax.jit(micro, donate_argnums=(1,))
     update_j = jax.jit(update, donate_argnums=(0, 1), static_argnums=(3,))
     rng = np.random.default_rng(0)
     dev = jax.devices()[0]
-    best = None
+    runs = [(B, False) for B in micro_batches]
+    if bf16_grad_dots:
+        runs.append((micro_batches[0], True))
+    best: dict[bool, tuple[int, float, int]] = {}
     acc = None
-    for B in micro_batches:
+    for B, patched in runs:
         accum = max(1, tokens_per_step // (B * S))
+        tag = f"B={B}" + (", bf16-backward model dots (experimental)" if patched else "")
+        if best and time.perf_counter() - T_START > SKIP_EXTRA_AFTER_S:
+            t.add("train", f"micro-step fwd+bwd {tag}", None, "ms",
+                  f"skipped: bench past {SKIP_EXTRA_AFTER_S:.0f} s (--skip-extra-after)")
+            continue
         try:
+            _set_bf16_grad_dots(patched)
+            grad_fn = jax.value_and_grad(_loss_fn)
+
+            def micro(params, acc, batch):
+                loss, grads = grad_fn(params, batch, mcfg)
+                return jax.tree.map(jnp.add, acc, (loss, grads))
+            micro_j = jax.jit(micro, donate_argnums=(1,))   # a fresh jit per variant (the patch is global)
             toks = rng.integers(0, mcfg.vocab_size, (B, S + 1), dtype=np.int32)
             batch = {"inputs": jnp.asarray(toks[:, :-1]), "targets": jnp.asarray(toks[:, 1:])}
+            acc = None
+            gc.collect()
             acc = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
             tc = time.perf_counter()
             compiled = micro_j.lower(params, acc, batch).compile()
@@ -326,71 +425,63 @@ def bench_train(t: Table, cfg, micro_batches: list[int], iters: int, reps: int, 
             state = {"acc": acc}
 
             def call():
-                state["acc"] = micro_j(params, state["acc"], batch)
+                state["acc"] = compiled(params, state["acc"], batch)
                 return state["acc"]
             med, ts = _median_time(call, jax.block_until_ready, iters, reps, warmup=2)
-            acc = state["acc"]
-            loss0 = float(acc[0])
-            results.setdefault("train", {})[f"micro_B{B}"] = med
-            tok_micro = B * S / med
-            t.add("train", f"micro-step fwd+bwd B={B} x {S}", med * 1e3, "ms",
-                  f"{tok_micro:,.0f} tok/s in the micro-step alone; compile {ct:.0f} s; "
-                  f"XLA memory estimate {mem:.1f} GiB; {_spread(ts)}" if mem is not None else _spread(ts))
+            loss0 = float(state["acc"][0])
+            results.setdefault("train", {})[f"micro_{tag}"] = med
+            note = f"{B * S / med:,.0f} tok/s in the micro-step alone; compile {ct:.0f} s; "
+            note += f"XLA memory estimate {mem:.1f} GiB; " if mem is not None else ""
+            t.add("train", f"micro-step fwd+bwd {tag} x {S}", med * 1e3, "ms", note + _spread(ts))
             if not math.isfinite(loss0):
-                t.add("train", f"micro-step B={B} loss", loss0, "", "NON-FINITE")
+                t.add("train", f"micro-step {tag} loss", loss0, "", "NON-FINITE")
             stats = dev.memory_stats() or {}
             if "peak_bytes_in_use" in stats:
-                t.add("train", f"peak device memory after B={B} (cumulative)", stats["peak_bytes_in_use"] / 2**30,
+                t.add("train", f"peak device memory after {tag} (cumulative)", stats["peak_bytes_in_use"] / 2**30,
                       "GiB", "memory_stats peak_bytes_in_use (params+opt state+grad acc+activations)")
-            best = (B, med, accum) if best is None or B * S / med > best[0] * S / best[1] else best
-            if profile and out_dir is not None and B == micro_batches[0]:
-                try:
-                    rows = _profile_summary(call, jax.block_until_ready, Path(tempfile.mkdtemp()) / "trace")
-                    total = rows[-1][1] if rows else 0.0
-                    cls: dict[str, float] = {}
-                    for name, ms, _ in rows[:-1]:
-                        cls[_classify(name)] = cls.get(_classify(name), 0.0) + ms
-                    lines = [f"{ms:10.2f} ms {cnt:6d}x  {name[:150]}" for name, ms, cnt in rows]
-                    (out_dir / "profile_train.txt").write_text("\n".join(lines) + "\n")
-                    print("[bench] profile of one micro-step (top kernels):\n" + "\n".join(lines[:12]), flush=True)
-                    t.add("train", f"profile: kernel time in one micro-step B={B}", total, "ms",
-                          "sum over GPU streams; top-25 by class: " +
-                          ", ".join(f"{k} {v:.0f} ms" for k, v in sorted(cls.items(), key=lambda kv: -kv[1])))
-                except Exception as e:  # noqa: BLE001
-                    t.add("train", "profile", None, "", f"failed: {type(e).__name__}: {str(e)[:120]}")
-            del batch
+            if B * S / med > (best[patched][0] * S / best[patched][1] if patched in best else 0):
+                best[patched] = (B, med, accum)
+            if profile and B == micro_batches[0]:
+                _profile_rows(t, "train", f"one micro-step {tag}", call, jax.block_until_ready, out_dir,
+                              "profile_train_bf16dots.txt" if patched else "profile_train.txt")
+            acc = state["acc"]
+            del batch, compiled
         except Exception as e:  # noqa: BLE001
             msg = str(e).splitlines()[0][:200]
-            t.add("train", f"micro-step fwd+bwd B={B} x {S}", None, "ms", f"failed: {type(e).__name__}: {msg}")
+            t.add("train", f"micro-step fwd+bwd {tag} x {S}", None, "ms", f"failed: {type(e).__name__}: {msg}")
             acc = None
             gc.collect()
-    if best is None:
+        finally:
+            _set_bf16_grad_dots(False)
+    if not best:
         return params
-    B, t_micro, accum = best
     if acc is None:
         acc = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
     try:
+        accum0 = next(iter(best.values()))[2]
         state = {"p": params, "o": opt_state}
         tc = time.perf_counter()
-        update_j.lower(params, opt_state, acc, accum).compile()
+        update_j.lower(params, opt_state, acc, accum0).compile()
         ct = time.perf_counter() - tc
 
         def ucall():
-            state["p"], state["o"], loss = update_j(state["p"], state["o"], acc, accum)
+            state["p"], state["o"], loss = update_j(state["p"], state["o"], acc, accum0)
             return state["p"]
         med, ts = _median_time(ucall, jax.block_until_ready, max(1, iters // 2), reps, warmup=2)
         params, opt_state = state["p"], state["o"]
         results["train"]["update"] = med
         t.add("train", "optimizer update (clip + Muon NS5 x96 + AdamW)", med * 1e3, "ms",
               f"compile {ct:.0f} s; {_spread(ts)}")
-        step = accum * t_micro + med
-        tok_s = tokens_per_step / step
-        mfu = tok_s * 6 * n_params_flop / peak
-        results["train"].update(step_s=step, tok_s=tok_s, mfu=mfu, B=B)
-        t.add("train", f"step of {tokens_per_step:,} tokens = {accum} x micro(B={B}) + 1 update", step, "s",
-              "computed from the two medians above")
-        t.add("train", "training throughput", tok_s, "tok/s", "target >= 28,000")
-        t.add("train", "MFU (6N FLOP/token, 989 TFLOP/s)", 100 * mfu, "%", "target >= 64 %")
+        for patched, (B, t_micro, accum) in sorted(best.items()):
+            tag = " [experimental bf16-backward model dots]" if patched else ""
+            step = accum * t_micro + med
+            tok_s = tokens_per_step / step
+            mfu = tok_s * 6 * n_params_flop / peak
+            results["train"][f"B{B}{'_bf16dots' if patched else ''}"] = dict(step_s=step, tok_s=tok_s, mfu=mfu)
+            t.add("train", f"step of {tokens_per_step:,} tokens = {accum} x micro(B={B}) + 1 update{tag}", step, "s",
+                  "computed from the two medians above")
+            t.add("train", f"training throughput{tag}", tok_s, "tok/s", "target >= 28,000")
+            t.add("train", f"MFU (6N FLOP/token, 989 TFLOP/s){tag}", 100 * mfu, "%", "target >= 64 %")
         stats = dev.memory_stats() or {}
         if "peak_bytes_in_use" in stats:
             t.add("train", "peak device memory, whole train section", stats["peak_bytes_in_use"] / 2**30, "GiB",
@@ -405,7 +496,8 @@ def bench_train(t: Table, cfg, micro_batches: list[int], iters: int, reps: int, 
 # ----------------------------------------------------------------------------- decode
 
 def bench_decode(t: Table, cfg, params, widths: list[int], iters: int, reps: int,
-                 results: dict[str, Any]) -> None:
+                 results: dict[str, Any], profile: bool = False, out_dir: Path | None = None,
+                 unscanned: bool = False) -> None:
     import jax
     import jax.numpy as jnp
 
@@ -425,27 +517,39 @@ def bench_decode(t: Table, cfg, params, widths: list[int], iters: int, reps: int
 
     step_j = jax.jit(step, donate_argnums=(2,))
     t.add("decode", "state bytes per sequence (fp32)", float(state_bytes_per_sequence(mcfg)), "B", "")
-    for w in widths:
+    runs = [(w, False) for w in widths] + ([(w, True) for w in widths] if unscanned else [])
+    ucfg = dataclasses.replace(mcfg, scan_layers=False)
+
+    def step_u(p, tok, st):
+        logits, st = decode_step(p, tok, st, ucfg)
+        return jnp.argmax(logits, -1).astype(jnp.int32), st
+    step_uj = jax.jit(step_u, donate_argnums=(2,))
+    for w, unrolled in runs:
+        fn = step_uj if unrolled else step_j
+        label = f"decode_step width {w}" + (" [scan_layers=false]" if unrolled else "")
         try:
             st = init_state(mcfg, w)
             tok = jnp.zeros((w,), jnp.int32)
             box = {"tok": tok, "st": st}
 
             def call():
-                box["tok"], box["st"] = step_j(p16, box["tok"], box["st"])
+                box["tok"], box["st"] = fn(p16, box["tok"], box["st"])
                 return box["tok"]
             tc = time.perf_counter()
             call()
             jax.block_until_ready(box["tok"])
             ct = time.perf_counter() - tc
             med, ts = _median_time(call, jax.block_until_ready, iters, reps, warmup=2)
-            results.setdefault("decode", {})[w] = med
-            t.add("decode", f"decode_step width {w}", med * 1e3, "ms/step",
+            results.setdefault("decode", {})[label] = med
+            t.add("decode", label, med * 1e3, "ms/step",
                   f"{w / med:,.0f} out tok/s; first call {ct:.1f} s; {_spread(ts)}")
+            if profile and w == widths[0] and not unrolled:
+                _profile_rows(t, "decode", f"one decode step width {w}", call, jax.block_until_ready, out_dir,
+                              "profile_decode.txt")
             del box, st
             gc.collect()
         except Exception as e:  # noqa: BLE001
-            t.add("decode", f"decode_step width {w}", None, "ms/step",
+            t.add("decode", label, None, "ms/step",
                   f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
 
 
@@ -458,12 +562,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default="laplace_3b", help="model/optimizer config for train and decode")
     ap.add_argument("--micro-batches", default="8,16", help="train micro-batch sizes to try (largest tok/s is used)")
     ap.add_argument("--decode-widths", default="1,64,256")
-    ap.add_argument("--gla-variants", action="store_true", help="also time other chunk sizes")
+    ap.add_argument("--gla-variants", action="store_true", help="also time the experimental form (plain autodiff backward)")
     ap.add_argument("--no-fla", action="store_true", help="skip the fla (torch/Triton) comparison")
+    ap.add_argument("--decode-unscanned", action="store_true",
+                    help="also time decode with model.scan_layers=false (a Python loop over the layers)")
+    ap.add_argument("--bf16-grad-dots", action="store_true",
+                    help="also time the train micro-step with model.py's dots given a bf16 backward (bench-only patch)")
     ap.add_argument("--profile", action="store_true", help="trace one train micro-step, kernel-time summary")
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--skip-extra-after", type=float, default=float("inf"),
+                    help="seconds: skip micro-batch sizes after the first once the bench has run this long")
     ap.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for bench.json / bench.md")
     args = ap.parse_args(argv)
+    global SKIP_EXTRA_AFTER_S
+    SKIP_EXTRA_AFTER_S = args.skip_extra_after
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     out_dir = Path(args.out) if args.out else None
     if out_dir:
@@ -512,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens = cfg.train.batch_tokens if args.smoke else ARTICLE_TOKENS_PER_STEP
         try:
             params = bench_train(t, cfg, micro_batches, 3 if not args.smoke else iters, reps if args.smoke else 5,
-                                 out_dir, args.profile, results, n_flop, PEAK_BF16, tokens)
+                                 out_dir, args.profile, results, n_flop, PEAK_BF16, tokens, args.bf16_grad_dots)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             t.add("train", "train section", None, "", f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
@@ -520,7 +632,8 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
     if "decode" in parts:
         try:
-            bench_decode(t, cfg, params, widths, 20 if not args.smoke else iters, reps, results)
+            bench_decode(t, cfg, params, widths, 20 if not args.smoke else iters, reps, results, args.profile, out_dir,
+                         args.decode_unscanned)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             t.add("decode", "decode section", None, "", f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")

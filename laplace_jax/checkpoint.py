@@ -101,6 +101,12 @@ def restore(mngr: ocp.CheckpointManager, run_dir: str | Path, step: int, abstrac
             params=ocp.args.StandardRestore(abstract_params), train=ocp.args.StandardRestore(abstract_train),
             data=grain.checkpoint.CheckpointRestore(data_iter)))
     except Exception as e:  # orbax/tensorstore raise many types for damaged files
+        if "tree structures do not match" in str(e):
+            raise CheckpointError(
+                f"checkpoint step {step} in {run_dir} holds an optimizer state of another layout: an optim "
+                f"setting that adds or removes a transform (grad_clip, weight_decay, muon_nesterov) changed; "
+                f"resume with the run's own optim settings (see {Path(run_dir) / 'config.yaml'}) or use a new --run-dir"
+            ) from None
         raise _unreadable(run_dir, step, e) from None
     return out["params"], out["train"]
 

@@ -57,8 +57,14 @@ class Generator:
     def __init__(self, params: Params, cfg: ModelConfig, widths: Sequence[int], sampling: Sampling = Sampling()):
         self.params, self.cfg, self.widths, self.sampling = params, cfg, tuple(widths), sampling
         self.piece = cfg.chunk_size
-        self._prefill = jax.jit(functools.partial(prefill, cfg=cfg))
-        self._decode = jax.jit(self._decode_and_sample)
+        self._prefill_jit = jax.jit(functools.partial(prefill, cfg=cfg))
+        self._decode_jit = jax.jit(self._decode_and_sample)
+        # Every token/state/key argument committed to the parameters' device: a committed and an
+        # uncommitted argument of one shape compile twice (≈11 s per compile on Neuron).
+        devs = getattr(jax.tree.leaves(params)[0], "devices", lambda: set())()
+        put = (lambda t: jax.device_put(t, next(iter(devs)))) if len(devs) == 1 else (lambda t: t)
+        self._prefill = lambda p, tokens, state: self._prefill_jit(p, put(tokens), state=put(state))
+        self._decode = lambda p, *args: self._decode_jit(p, *put(args))
 
     def _decode_and_sample(self, params, token, state, key):
         logits, state = decode_step(params, token, state, self.cfg)
@@ -66,7 +72,7 @@ class Generator:
 
     def compiled_shapes(self) -> dict[str, int]:
         """How many distinct shapes each jitted entry point has compiled so far."""
-        return {"prefill": self._prefill._cache_size(), "decode": self._decode._cache_size()}
+        return {"prefill": self._prefill_jit._cache_size(), "decode": self._decode_jit._cache_size()}
 
     def _prefill_one(self, ids: Sequence[int]) -> tuple[jax.Array, Params]:
         """One prompt → (last-position logits [V], state of width 1)."""

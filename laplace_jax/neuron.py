@@ -9,6 +9,10 @@
 - the `rbg` PRNG (jax-neuronx: threefry is incomplete), parameters initialised on the host CPU;
 - no `lax.cond`, no host callbacks, only static shapes; decode widths from `decode_widths`.
 
+What remains as while loops (static trip counts, which jax-neuronx accepts): the layer scan when
+`model.scan_layers: true`, and Muon's Newton-Schulz `lax.map` over each weight kind's stacked
+matrices (tests/test_neuron.py pins both down).
+
 `hlo_report(text)` counts what the Neuron compiler refuses (conditionals, host callbacks,
 dynamic shapes) and the while loops, in lowered StableHLO or compiled HLO text.
 """
@@ -19,6 +23,7 @@ import re
 from typing import Any
 
 import jax
+import numpy as np
 
 from laplace_jax.config import Config
 
@@ -42,6 +47,12 @@ def host_cpu() -> Any:
     return jax.devices("cpu")[0]
 
 
+def host_key(seed: int) -> jax.Array:
+    """A PRNG key (the current impl: `rbg` in neuron mode) made on the host CPU."""
+    with jax.default_device(host_cpu()):
+        return jax.device_put(jax.random.PRNGKey(seed), host_cpu())
+
+
 def host_init_params(model_cfg, key: jax.Array, shardings: Any = None) -> Any:
     """Random parameters computed on the host CPU (RNG-heavy init stays off the accelerator),
     then placed with `shardings` (None: left on the host)."""
@@ -50,7 +61,10 @@ def host_init_params(model_cfg, key: jax.Array, shardings: Any = None) -> Any:
     cpu = host_cpu()
     with jax.default_device(cpu):
         params = init_params(model_cfg, jax.device_put(key, cpu))
-    return params if shardings is None else jax.device_put(params, shardings)
+    if shardings is None:
+        return params
+    host = jax.tree.map(np.asarray, params)  # every process computed the same values: each places its shards
+    return jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda idx: a[idx]), host, shardings)
 
 
 # ----------------------------------------------------------------------------- HLO checks

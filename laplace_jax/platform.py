@@ -7,7 +7,7 @@ from laplace_jax.config import ConfigError
 
 NEURON_INSTALL = ("pip install 'laplace_jax[neuron]' --extra-index-url "
                   "https://pip.repos.neuron.amazonaws.com  (jax-neuronx comes only from AWS's Neuron index)")
-_JAX_NAMES = {"cpu": "cpu", "gpu": "cuda", "neuron": "neuron"}
+_JAX_NAMES = {"cpu": "cpu", "gpu": "cuda", "neuron": "neuron,cpu"}  # neuron keeps the host CPU for init
 
 
 def select_platform(name: str) -> None:

@@ -23,6 +23,8 @@ def _preset_local_devices(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     _preset_local_devices(sys.argv[1:])
+    import logging  # grain warns at import that profiling needs jaxlib >= 0.11 (jax-neuronx pins 0.10): drop it
+    logging.getLogger("absl").addFilter(lambda r: "worker profiling requires" not in r.getMessage())
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
@@ -46,6 +48,7 @@ from laplace_jax.data.pipeline import make_eval_batches, make_train_iterator, re
 from laplace_jax.info import gla_flop_per_token  # noqa: E402
 from laplace_jax.model import forward, init_params, param_shapes  # noqa: E402
 from laplace_jax.optim import build_optimizer, make_schedule  # noqa: E402
+from laplace_jax.neuron import host_init_params, host_key, is_neuron, neuron_mode, use_rbg_prng  # noqa: E402
 from laplace_jax.platform import select_platform  # noqa: E402
 from laplace_jax.sharding import (batch_sharding, make_mesh, opt_state_shardings, param_shardings,  # noqa: E402
                                   replicated)
@@ -185,6 +188,9 @@ class _Stop:
 
 def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: bool = False) -> dict[str, Any]:
     """Train (or resume) in `run_dir` until `steps` (default cfg.train.steps). Returns a summary."""
+    if is_neuron(cfg):  # platform=neuron or neuron_mode=true: unrolled graphs, rbg PRNG, host-CPU init
+        cfg = neuron_mode(cfg)
+        use_rbg_prng()
     run_dir = Path(run_dir).expanduser().resolve()
     total = cfg.train.steps if steps is None else steps
     pid, nproc = jax.process_index(), jax.process_count()
@@ -218,12 +224,17 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
         o_shapes = jax.eval_shape(tx.init, shapes)
         abs_t = {"opt_state": jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                                            o_shapes, o_sh),
-                 "step": np.zeros((), np.int32), "rng": np.zeros((2,), np.uint32)}
+                 "step": np.zeros((), np.int32),
+                 "rng": np.zeros(jax.eval_shape(jax.random.PRNGKey, 0).shape, np.uint32)}  # (4,) with rbg
         params, tstate = ckpt.restore(mngr, run_dir, latest, abs_p, abs_t, data_iter)
         opt_state, start, rng = tstate["opt_state"], int(tstate["step"]), np.asarray(tstate["rng"])
     else:
-        key = jax.random.PRNGKey(cfg.train.seed)
-        params = jax.jit(init_params, static_argnums=0, out_shardings=p_sh)(cfg.model, key)
+        if cfg.neuron_mode:  # RNG-heavy init compiled for the host CPU, then placed on the devices
+            key = host_key(cfg.train.seed)
+            params = host_init_params(cfg.model, key, p_sh)
+        else:
+            key = jax.random.PRNGKey(cfg.train.seed)
+            params = jax.jit(init_params, static_argnums=0, out_shardings=p_sh)(cfg.model, key)
         opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
         rng = np.asarray(jax.random.fold_in(key, 1))  # host copy: saved by process 0, same everywhere
     if is_main:

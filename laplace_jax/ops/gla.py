@@ -10,6 +10,8 @@ Layout and conventions follow flash-linear-attention (fla):
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -50,45 +52,90 @@ def recurrent_simple_gla(q: Array, k: Array, v: Array, g_gamma: Array, *, scale:
     return jnp.moveaxis(o, 0, 1), state
 
 
+def _transposed_spec(spec: str) -> tuple[str, str]:
+    """'a,b->o' → the einsum specs of the two cotangents: 'o,b->a' and 'o,a->b'."""
+    ins, out = spec.split("->")
+    a, b = ins.split(",")
+    return f"{out},{b}->{a}", f"{out},{a}->{b}"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _mm(spec: str, a: Array, b: Array) -> Array:
+    """einsum with float32 accumulation and output; the backward runs in the inputs' dtype.
+
+    Plain autodiff would hand the float32 cotangent to the transposed products, which then run as
+    float32 (TF32 on GPUs) matmuls at about half the bf16 rate. Here the cotangent is cast to the
+    input dtype first (a no-op for float32 inputs), as bf16 autocast training does; the transposed
+    products still accumulate in float32."""
+    return jnp.einsum(spec, a, b, preferred_element_type=F32)
+
+
+def _mm_fwd(spec, a, b):
+    return _mm(spec, a, b), (a, b)
+
+
+def _mm_bwd(spec, res, g):
+    a, b = res
+    sa, sb = _transposed_spec(spec)
+    g = g.astype(jnp.promote_types(a.dtype, b.dtype))
+    da = jnp.einsum(sa, g, b, preferred_element_type=F32).astype(a.dtype)
+    db = jnp.einsum(sb, g, a, preferred_element_type=F32).astype(b.dtype)
+    return da, db
+
+
+_mm.defvjp(_mm_fwd, _mm_bwd)
+
+
 def _chunk_block(q: Array, k: Array, v: Array, g: Array, state: Array, scale: float,
                  unroll: bool) -> tuple[Array, Array]:
     """Chunked GLA over q, k: [B, N, C, H, K], v: [B, N, C, H, V] starting from `state`.
 
+    Runs heads-first ([B, H, N, C, *]: every product is a plain batched matmul over (B, H, N)).
     Everything that does not depend on the running state (the intra-chunk masked decay attention,
-    each chunk's contribution to the state, the query decay) runs for all N chunks at once; only
-    the state hand-off S_{c+1} = exp(γC) S_c + U_c is sequential.
+    each chunk's contribution U_c to the state, the query decay) runs for all N chunks at once. The
+    state entering chunk c, S_c = e^{γCc} S_0 + sum_{m<c} e^{γC(c-1-m)} U_m, is one small float32
+    contraction over the chunk axis (no loop); `unroll=True` computes it with the sequential
+    hand-off S_{c+1} = e^{γC} S_c + U_c as a Python loop instead.
     """
-    C = q.shape[2]
+    B, n, C, H, K = q.shape
     cdt = v.dtype
+    hm = lambda a: jnp.transpose(a, (0, 3, 1, 2, 4))  # noqa: E731  [B, N, C, H, *] -> [B, H, N, C, *]
+    q, k, v = hm(q), hm(k), hm(v)
     pos = jnp.arange(C, dtype=F32)
     # D_ij = exp(γ (i - j)) for i >= j: [H, C, C], built once per call (C x C per head).
     diff = pos[:, None] - pos[None, :]
     causal = diff >= 0
     decay = jnp.where(causal[None], jnp.exp(g[:, None, None] * jnp.where(causal, diff, 0.0)[None]), 0.0)
-    q_decay = jnp.exp(g[None, :] * (pos[:, None] + 1.0))            # [C, H]: e^{b_i}
-    k_decay = jnp.exp(g[None, :] * (C - 1.0 - pos[:, None]))        # [C, H]: e^{b_{C-1} - b_i}
-    chunk_decay = jnp.exp(g * C)[None, :, None, None]               # [1, H, 1, 1]
+    q_decay = jnp.exp(g[:, None] * (pos[None, :] + 1.0))            # [H, C]: e^{b_i}
+    k_decay = jnp.exp(g[:, None] * (C - 1.0 - pos[None, :]))        # [H, C]: e^{b_{C-1} - b_i}
 
-    scores = jnp.einsum("bnihk,bnjhk->bnhij", q, k, preferred_element_type=F32) * decay
-    o_intra = jnp.einsum("bnhij,bnjhv->bnihv", scores.astype(cdt), v, preferred_element_type=F32)
-    k_dec = (k.astype(F32) * k_decay[:, :, None]).astype(cdt)
-    contrib = jnp.einsum("bnjhk,bnjhv->nbhkv", k_dec, v, preferred_element_type=F32)  # U_c
+    scores = _mm("bhnik,bhnjk->bhnij", q, k) * decay[None, :, None]
+    k_dec = (k.astype(F32) * k_decay[None, :, None, :, None]).astype(cdt)
+    contrib = _mm("bhnjk,bhnjv->bhnkv", k_dec, v)                    # U_c: [B, H, N, K, V]
 
-    def hand_off(s, u):
-        return chunk_decay * s + u, s
-
-    n = q.shape[1]
     if unroll:  # a Python loop: every chunk step is visible in the graph (no while loop)
+        chunk_decay = jnp.exp(g * C)[None, :, None, None]           # [1, H, 1, 1]
         entering = []
         for c in range(n):
-            state, s_in = hand_off(state, contrib[c])
-            entering.append(s_in)
-        states_in = jnp.stack(entering)
+            entering.append(state)
+            state = chunk_decay * state + contrib[:, :, c]
+        states_in = jnp.stack(entering, axis=2)                     # [B, H, N, K, V]
     else:
-        state, states_in = jax.lax.scan(hand_off, state, contrib)
-    q_dec = (q.astype(F32) * q_decay[:, :, None]).astype(cdt)
-    o_inter = jnp.einsum("bnihk,nbhkv->bnihv", q_dec, states_in.astype(cdt), preferred_element_type=F32)
-    return scale * (o_intra + o_inter), state
+        ci = jnp.arange(n, dtype=F32)
+        lag = ci[:, None] - 1.0 - ci[None, :]                       # [N, N]: c - 1 - m
+        w = jnp.where(lag[None] >= 0, jnp.exp(g[:, None, None] * C * jnp.maximum(lag, 0.0)[None]), 0.0)
+        hi = jax.lax.Precision.HIGHEST
+        states_in = jnp.einsum("hcm,bhmkv->bhckv", w, contrib, precision=hi)
+        states_in = states_in + jnp.exp(g[:, None] * C * ci[None, :])[None, :, :, None, None] * state[:, :, None]
+        w_last = jnp.exp(g[:, None] * C * (n - 1.0 - ci[None, :]))  # [H, N]
+        state = (jnp.einsum("hm,bhmkv->bhkv", w_last, contrib, precision=hi)
+                 + jnp.exp(g * C * n)[None, :, None, None] * state)
+    q_dec = (q.astype(F32) * q_decay[None, :, None, :, None]).astype(cdt)
+    # o = P v + q_dec S_in as ONE product over C + K: [P | q_dec] @ [v ; S_in] (no f32 partial sums)
+    lhs = jnp.concatenate([scores.astype(cdt), q_dec], axis=-1)      # [B, H, N, C, C + K]
+    rhs = jnp.concatenate([v, states_in.astype(cdt)], axis=-2)       # [B, H, N, C + K, V]
+    o = scale * _mm("bhnij,bhnjv->bhniv", lhs, rhs)                  # [B, H, N, C, V]
+    return jnp.transpose(o, (0, 2, 3, 1, 4)), state
 
 
 def chunk_simple_gla(q: Array, k: Array, v: Array, g_gamma: Array, *, num_chunks: int | None = None,
