@@ -9,6 +9,7 @@ padded to the next width) — so new prompt lengths or batch sizes never trigger
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 from dataclasses import dataclass
@@ -138,13 +139,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ignore-eos", action="store_true", help="do not stop at <|endoftext|>")
     ap.add_argument("--ids", action="store_true", help="also print the token ids")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+    ap.add_argument("--platform", default=None, choices=["auto", "cpu", "gpu", "neuron"],
+                    help="default: JAX's own choice")
     args = ap.parse_args(argv)
+    from laplace_jax.config import ConfigError
+    from laplace_jax.neuron import is_neuron, neuron_mode
+    from laplace_jax.platform import select_platform
     try:
+        select_platform(args.platform or "auto")  # before any array exists
         params, cfg, step = load_params(args.checkpoint, args.step)
-    except CheckpointError as e:
+        if args.platform:
+            cfg = dataclasses.replace(cfg, platform=args.platform)
+        if is_neuron(cfg):
+            cfg = neuron_mode(cfg)
+    except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    import dataclasses
     mcfg = dataclasses.replace(cfg.model, compute_dtype=args.dtype)
     tok = get_tokenizer()
     gen = Generator(jax.tree.map(jnp.asarray, params), mcfg, cfg.decode_widths,
