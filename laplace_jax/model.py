@@ -21,6 +21,7 @@ import numpy as np
 
 from laplace_jax.config import ModelConfig, gla_decay_log
 from laplace_jax.ops.gla import chunk_simple_gla, simple_gla_step
+from laplace_jax.ops.matmul import mixed_matmul
 
 Array = jax.Array
 Params = dict[str, Any]
@@ -153,6 +154,11 @@ def _split_qkvg(cfg: ModelConfig, qkvg: Array) -> tuple[Array, Array, Array, Arr
             v.reshape(*lead, H, V), g.reshape(*lead, H, V))
 
 
+def _dense(x: Array, w: Array, cdt: Any) -> Array:
+    """x [..., n] @ w [n, m] with inputs in the compute dtype, float32 out (bf16 backward too)."""
+    return mixed_matmul("...n,nm->...m", x.astype(cdt), w.astype(cdt))
+
+
 def _mix_out(cfg: ModelConfig, lp: Params, q: Array, k: Array, v: Array, g: Array, o: Array) -> Array:
     """Self-augmentation, head RMSNorm per tier, SiLU gate, W_out. Shapes [..., H, *]."""
     cdt = jnp.dtype(cfg.compute_dtype)
@@ -160,15 +166,15 @@ def _mix_out(cfg: ModelConfig, lp: Params, q: Array, k: Array, v: Array, g: Arra
     o = o.astype(F32) + gate * v.astype(F32)
     o = _head_rms_norm(o, lp["head_norm"], cfg.norm_eps) * jax.nn.silu(g.astype(F32))
     o = o.reshape(*o.shape[:-2], cfg.d_model).astype(cdt)
-    return jnp.dot(o, lp["w_out"].astype(cdt), preferred_element_type=F32)
+    return _dense(o, lp["w_out"], cdt)
 
 
 def _ffn(cfg: ModelConfig, lp: Params, x: Array) -> Array:
     cdt = jnp.dtype(cfg.compute_dtype)
     z = _layer_norm(x, lp["ffn_norm"], cfg.norm_eps).astype(cdt)
-    a, b = jnp.split(jnp.dot(z, lp["w_12"].astype(cdt), preferred_element_type=F32), 2, axis=-1)
+    a, b = jnp.split(_dense(z, lp["w_12"], cdt), 2, axis=-1)
     h = (jax.nn.silu(a) * b).astype(cdt)
-    return jnp.dot(h, lp["w_3"].astype(cdt), preferred_element_type=F32)
+    return _dense(h, lp["w_3"], cdt)
 
 
 def _conv_seq(cfg: ModelConfig, lp: Params, xn: Array, window: Array | None) -> tuple[Array, Array]:
@@ -189,9 +195,9 @@ def _layer_seq(cfg: ModelConfig, lp: Params, x: Array, g_gamma: Array, chunking:
     cdt = jnp.dtype(cfg.compute_dtype)
     u, window = _conv_seq(cfg, lp, _layer_norm(x, lp["attn_norm"], cfg.norm_eps),
                           None if st is None else st["conv"])
-    qkvg = jnp.dot(u.astype(cdt), lp["w_qkvg"].astype(cdt), preferred_element_type=F32).astype(cdt)
+    qkvg = _dense(u.astype(cdt), lp["w_qkvg"], cdt).astype(cdt)
     q, k, v, g = _split_qkvg(cfg, qkvg)
-    o, gla_state = chunk_simple_gla(q, k, v, g_gamma, unroll=cfg.gla_unroll,
+    o, gla_state = chunk_simple_gla(q, k, v, g_gamma, unroll=cfg.gla_unroll, hand_off=cfg.gla_hand_off,
                                     initial_state=None if st is None else st["gla"], **chunking)
     x = x + _mix_out(cfg, lp, q, k, v, g, o)
     x = x + _ffn(cfg, lp, x)
@@ -205,7 +211,7 @@ def _layer_step(cfg: ModelConfig, lp: Params, x: Array, g_gamma: Array, st: dict
     xn = _layer_norm(x, lp["attn_norm"], cfg.norm_eps)
     window = jnp.concatenate([st["conv"][:, 1:], xn[:, None].astype(F32)], axis=1)
     u = jax.nn.silu(jnp.einsum("bcd,cd->bd", window, lp["conv_w"]) + lp["conv_b"])
-    qkvg = jnp.dot(u.astype(cdt), lp["w_qkvg"].astype(cdt), preferred_element_type=F32).astype(cdt)
+    qkvg = _dense(u.astype(cdt), lp["w_qkvg"], cdt).astype(cdt)
     q, k, v, g = _split_qkvg(cfg, qkvg)
     o, gla_state = simple_gla_step(q, k, v, g_gamma, st["gla"])
     x = x + _mix_out(cfg, lp, q, k, v, g, o)
@@ -238,7 +244,7 @@ def _embed(params: Params, tokens: Array) -> Array:
 def _logits(cfg: ModelConfig, params: Params, x: Array) -> Array:
     cdt = jnp.dtype(cfg.compute_dtype)
     xn = _layer_norm(x, params["final_norm"], cfg.norm_eps).astype(cdt)
-    return jnp.dot(xn, params["lm_head"].astype(cdt), preferred_element_type=F32)
+    return _dense(xn, params["lm_head"], cdt)
 
 
 def _run_seq(params: Params, tokens: Array, cfg: ModelConfig, chunking: dict[str, Any],

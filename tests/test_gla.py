@@ -48,6 +48,7 @@ def test_forms_match_float64_recurrence(shape, chunking, with_state):
     forms = {
         "chunk": chunk_simple_gla(q, k, v, g, initial_state=s0, **chunking),
         "chunk_unrolled": chunk_simple_gla(q, k, v, g, initial_state=s0, unroll=True, **chunking),
+        "chunk_matmul": chunk_simple_gla(q, k, v, g, initial_state=s0, hand_off="matmul", **chunking),
         "recurrent": recurrent_simple_gla(q, k, v, g, initial_state=s0),
     }
     state = jnp.zeros_like(s_ref, dtype=jnp.float32) if s0 is None else s0
@@ -78,11 +79,12 @@ def test_chunked_gradients_match_recurrent():
         o, s = fn(q, k, v, g, initial_state=s0)
         return jnp.sum(o * w) + jnp.sum(s * ws)
 
-    chunk = lambda *a, **kw: chunk_simple_gla(*a, num_chunks=4, **kw)  # noqa: E731
-    g_chunk = jax.grad(lambda *a: loss(chunk, *a), argnums=(0, 1, 2, 3))(q, k, v, s0)
     g_rec = jax.grad(lambda *a: loss(recurrent_simple_gla, *a), argnums=(0, 1, 2, 3))(q, k, v, s0)
-    for name, a, b in zip("q k v initial_state".split(), g_chunk, g_rec):
-        assert rel(a, np.asarray(b, np.float64)) <= 1e-5, name
+    for kw in ({}, {"hand_off": "matmul"}, {"unroll": True}):
+        chunk = lambda *a, **k2: chunk_simple_gla(*a, num_chunks=4, **kw, **k2)  # noqa: E731
+        g_chunk = jax.grad(lambda *a: loss(chunk, *a), argnums=(0, 1, 2, 3))(q, k, v, s0)
+        for name, a, b in zip("q k v initial_state".split(), g_chunk, g_rec):
+            assert rel(a, np.asarray(b, np.float64)) <= 1e-5, (name, kw)
 
 
 def test_bf16_inputs_accumulate_in_float32():

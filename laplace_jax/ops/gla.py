@@ -10,10 +10,10 @@ Layout and conventions follow flash-linear-attention (fla):
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
+
+from laplace_jax.ops.matmul import mixed_matmul as _mm
 
 Array = jax.Array
 F32 = jnp.float32
@@ -52,50 +52,18 @@ def recurrent_simple_gla(q: Array, k: Array, v: Array, g_gamma: Array, *, scale:
     return jnp.moveaxis(o, 0, 1), state
 
 
-def _transposed_spec(spec: str) -> tuple[str, str]:
-    """'a,b->o' → the einsum specs of the two cotangents: 'o,b->a' and 'o,a->b'."""
-    ins, out = spec.split("->")
-    a, b = ins.split(",")
-    return f"{out},{b}->{a}", f"{out},{a}->{b}"
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _mm(spec: str, a: Array, b: Array) -> Array:
-    """einsum with float32 accumulation and output; the backward runs in the inputs' dtype.
-
-    Plain autodiff would hand the float32 cotangent to the transposed products, which then run as
-    float32 (TF32 on GPUs) matmuls at about half the bf16 rate. Here the cotangent is cast to the
-    input dtype first (a no-op for float32 inputs), as bf16 autocast training does; the transposed
-    products still accumulate in float32."""
-    return jnp.einsum(spec, a, b, preferred_element_type=F32)
-
-
-def _mm_fwd(spec, a, b):
-    return _mm(spec, a, b), (a, b)
-
-
-def _mm_bwd(spec, res, g):
-    a, b = res
-    sa, sb = _transposed_spec(spec)
-    g = g.astype(jnp.promote_types(a.dtype, b.dtype))
-    da = jnp.einsum(sa, g, b, preferred_element_type=F32).astype(a.dtype)
-    db = jnp.einsum(sb, g, a, preferred_element_type=F32).astype(b.dtype)
-    return da, db
-
-
-_mm.defvjp(_mm_fwd, _mm_bwd)
 
 
 def _chunk_block(q: Array, k: Array, v: Array, g: Array, state: Array, scale: float,
-                 unroll: bool) -> tuple[Array, Array]:
+                 unroll: bool, hand_off: str) -> tuple[Array, Array]:
     """Chunked GLA over q, k: [B, N, C, H, K], v: [B, N, C, H, V] starting from `state`.
 
     Runs heads-first ([B, H, N, C, *]: every product is a plain batched matmul over (B, H, N)).
     Everything that does not depend on the running state (the intra-chunk masked decay attention,
-    each chunk's contribution U_c to the state, the query decay) runs for all N chunks at once. The
-    state entering chunk c, S_c = e^{γCc} S_0 + sum_{m<c} e^{γC(c-1-m)} U_m, is one small float32
-    contraction over the chunk axis (no loop); `unroll=True` computes it with the sequential
-    hand-off S_{c+1} = e^{γC} S_c + U_c as a Python loop instead.
+    each chunk's contribution U_c to the state, the query decay) runs for all N chunks at once. Only
+    the state hand-off S_{c+1} = e^{γC} S_c + U_c is sequential: a `lax.scan` over the N chunks
+    (`hand_off="scan"`), a Python loop (`unroll=True`), or, with `hand_off="matmul"`, the closed form
+    S_c = e^{γCc} S_0 + sum_{m<c} e^{γC(c-1-m)} U_m as one small float32 contraction over chunks.
     """
     B, n, C, H, K = q.shape
     cdt = v.dtype
@@ -113,13 +81,19 @@ def _chunk_block(q: Array, k: Array, v: Array, g: Array, state: Array, scale: fl
     k_dec = (k.astype(F32) * k_decay[None, :, None, :, None]).astype(cdt)
     contrib = _mm("bhnjk,bhnjv->bhnkv", k_dec, v)                    # U_c: [B, H, N, K, V]
 
+    chunk_decay = jnp.exp(g * C)[None, :, None, None]               # [1, H, 1, 1]
     if unroll:  # a Python loop: every chunk step is visible in the graph (no while loop)
-        chunk_decay = jnp.exp(g * C)[None, :, None, None]           # [1, H, 1, 1]
         entering = []
         for c in range(n):
             entering.append(state)
             state = chunk_decay * state + contrib[:, :, c]
         states_in = jnp.stack(entering, axis=2)                     # [B, H, N, K, V]
+    elif hand_off == "scan":
+        def step(s, u):
+            return chunk_decay * s + u, s
+
+        state, states_in = jax.lax.scan(step, state, jnp.moveaxis(contrib, 2, 0))
+        states_in = jnp.moveaxis(states_in, 0, 2)                   # [B, H, N, K, V]
     else:
         ci = jnp.arange(n, dtype=F32)
         lag = ci[:, None] - 1.0 - ci[None, :]                       # [N, N]: c - 1 - m
@@ -140,14 +114,20 @@ def _chunk_block(q: Array, k: Array, v: Array, g: Array, state: Array, scale: fl
 
 def chunk_simple_gla(q: Array, k: Array, v: Array, g_gamma: Array, *, num_chunks: int | None = None,
                      chunk_size: int | None = None, scale: float | None = None,
-                     initial_state: Array | None = None, unroll: bool = False) -> tuple[Array, Array]:
+                     initial_state: Array | None = None, unroll: bool = False,
+                     hand_off: str = "scan") -> tuple[Array, Array]:
     """Chunked Simple GLA. Returns (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] f32).
 
     Give `num_chunks` (T must divide; default 16 when neither is given) or `chunk_size` (any T: a
     shorter tail chunk takes the remainder). Matmul inputs stay in the input dtype (bf16 on
-    accelerators) with float32 accumulation; the state is float32. `unroll=True` unrolls the
-    chunk loop completely (Neuron needs the whole graph).
+    accelerators) with float32 accumulation, also in the backward pass; the state is float32.
+    The chunk-to-chunk state hand-off is a `lax.scan` over the static chunks (`hand_off="scan"`),
+    one float32 contraction over the chunk axis with no loop (`hand_off="matmul"`), or, with
+    `unroll=True`, a Python loop with every step visible in the graph (Neuron). All agree to float32
+    rounding.
     """
+    if hand_off not in ("scan", "matmul"):
+        raise ValueError(f"chunk_simple_gla: hand_off={hand_off!r}: choose 'scan' or 'matmul'")
     B, T, H, K = q.shape
     if num_chunks is not None and chunk_size is not None:
         raise ValueError("chunk_simple_gla: give num_chunks or chunk_size, not both")
@@ -168,7 +148,7 @@ def chunk_simple_gla(q: Array, k: Array, v: Array, g_gamma: Array, *, num_chunks
         if n == 0:
             continue
         part = [a[:, start:start + n * c].reshape(B, n, c, H, a.shape[-1]) for a in (q, k, v)]
-        o, state = _chunk_block(*part, g, state, sc, unroll)
+        o, state = _chunk_block(*part, g, state, sc, unroll, hand_off)
         outs.append(o.reshape(B, n * c, H, v.shape[-1]))
     o = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
     return o.astype(v.dtype), state
