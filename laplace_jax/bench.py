@@ -3,8 +3,9 @@
 GPU performance rows of issue 6, measured in one process and printed as one table:
 
 1. ``gla``    Simple GLA forward+backward at B=8 T=2048 H=16 d_k=96 d_v=192 bf16: ours
-              (`chunk_simple_gla`, jit, num_chunks=16) against fla's Triton ``chunk_simple_gla(g_gamma=…)``
-              (run first, in a child process, when torch + CUDA + fla import), same inputs, ratio ours/fla.
+              (`chunk_simple_gla`, jit, num_chunks=16, with hand_off="scan" and hand_off="matmul") against fla's Triton ``chunk_simple_gla(g_gamma=…)``
+              (run first, in a child process, when torch + CUDA + fla import), same inputs, ratio ours/fla
+              for each hand-off.
 2. ``train``  the 3B training step (Muon + AdamW, remat ``dots_no_batch``): one micro-step
               (fwd+bwd of B sequences, gradients accumulated into a donated buffer) and the optimizer
               update timed separately; the article's 524,288 tokens/step is then
@@ -52,12 +53,17 @@ GLA_SMOKE = dict(B=2, T=64, H=2, K=8, V=16)
 # ----------------------------------------------------------------------------- table
 
 class Table:
-    def __init__(self):
+    def __init__(self, live: Path | None = None):
         self.rows: list[dict[str, Any]] = []
+        self.live = live        # each row is also appended here as it comes (survives a killed run)
 
     def add(self, section: str, item: str, value: float | None, unit: str, note: str = "") -> None:
         self.rows.append(dict(section=section, item=item, value=value, unit=unit, note=note))
-        print(f"[bench] {section:7s} {item:52s} {_fmt(value):>12s} {unit:10s} {note}", flush=True)
+        line = f"[bench] {section:7s} {item:52s} {_fmt(value):>12s} {unit:10s} {note}"
+        print(line, flush=True)
+        if self.live is not None:
+            with open(self.live, "a") as fh:
+                fh.write(line + "\n")
 
     def markdown(self) -> str:
         out = ["| section | item | value | unit | note |", "|---|---|---:|---|---|"]
@@ -226,7 +232,9 @@ def bench_gla(t: Table, shape: dict[str, int], iters: int, reps: int, fla: dict[
     B, T, H, K, V = (shape[n] for n in "BTHKV")
     flop_fwd = 2 * B * T * H * (T // 16 * K + T // 16 * V + 2 * K * V)   # scores, o_intra, contrib, o_inter
     forms: dict[str, Callable] = {
-        "ours chunk_simple_gla (num_chunks=16)": lambda q, k, v, g: chunk_simple_gla(q, k, v, g, num_chunks=16)[0],
+        f"ours chunk_simple_gla (num_chunks=16, hand_off={h})":
+            (lambda h: lambda q, k, v, g: chunk_simple_gla(q, k, v, g, num_chunks=16, hand_off=h)[0])(h)
+        for h in ("scan", "matmul")
     }
     if variants:
         forms["variant: two products, bf16 backward (num_chunks=16)"] = \
@@ -245,7 +253,7 @@ def bench_gla(t: Table, shape: dict[str, int], iters: int, reps: int, fla: dict[
             f = _gla_fwd_bwd(fn, g)
             med, ts = _median_time(lambda: f(q, k, v, do), jax.block_until_ready, iters, reps, warmup=3)
             note = _spread(ts) + f"; ~{3 * flop_fwd / med / 1e12:.0f} TFLOP/s (3x fwd FLOP)"
-            if fla and "out" in fla and name.startswith("ours chunk_simple_gla (num_chunks=16)"):
+            if fla and "out" in fla and name.startswith("ours chunk_simple_gla"):
                 outs = f(q, k, v, do)
                 errs = []
                 for n, a in zip(("o", "dq", "dk", "dv"), outs):
@@ -255,8 +263,9 @@ def bench_gla(t: Table, shape: dict[str, int], iters: int, reps: int, fla: dict[
                 note += "; rel.err vs fla " + ", ".join(errs)
             t.add("gla", name + " fwd+bwd", med * 1e3, "ms", note)
             results.setdefault("gla", {})[name] = med
-            if fla_s and name.startswith("ours chunk_simple_gla (num_chunks=16)"):
-                t.add("gla", "ratio ours/fla (same run)", med / fla_s, "x", "target <= 1.0")
+            if fla_s and name.startswith("ours chunk_simple_gla"):
+                t.add("gla", f"ratio ours/fla (same run), hand_off={name.split('hand_off=')[1].rstrip(')')}",
+                      med / fla_s, "x", "target <= 1.0")
         except Exception as e:  # noqa: BLE001
             t.add("gla", name + " fwd+bwd", None, "ms", f"failed: {type(e).__name__}: {str(e)[:160]}")
 
@@ -310,35 +319,6 @@ def _classify(name: str) -> str:
     return "other (fusions: elementwise, reductions, transposes)"
 
 
-class _BF16GradDots:
-    """Experimental, bench only (model.py is not changed): stands in for `jnp` inside
-    laplace_jax.model so that every `jnp.dot(x_bf16, w_bf16, preferred_element_type=f32)` runs its
-    backward in bf16 (cotangent cast to bf16, float32 accumulation), like the GLA's own products.
-    Without it the float32 cotangents make the two backward matmuls float32 (TF32) GEMMs."""
-
-    def __init__(self, jnp_module):
-        self._jnp = jnp_module
-
-    def __getattr__(self, name):
-        return getattr(self._jnp, name)
-
-    def dot(self, a, b, *, preferred_element_type=None, **kw):
-        from laplace_jax.ops.gla import _mm
-        jnp = self._jnp
-        if (preferred_element_type is not None and jnp.dtype(preferred_element_type) == jnp.float32
-                and a.dtype == b.dtype == jnp.bfloat16 and b.ndim == 2 and 1 <= a.ndim <= 4 and not kw):
-            lead = "abcd"[:a.ndim - 1]
-            return _mm(f"{lead}x,xy->{lead}y", a, b)
-        return jnp.dot(a, b, preferred_element_type=preferred_element_type, **kw)
-
-
-def _set_bf16_grad_dots(on: bool) -> None:
-    import jax.numpy as jnp
-
-    import laplace_jax.model as M
-    M.jnp = _BF16GradDots(jnp) if on else jnp
-
-
 def _profile_rows(t: Table, section: str, label: str, call, sync, out_dir: Path | None, fname: str) -> None:
     try:
         rows = _profile_summary(call, sync, Path(tempfile.mkdtemp()) / "trace")
@@ -359,7 +339,7 @@ def _profile_rows(t: Table, section: str, label: str, call, sync, out_dir: Path 
 
 def bench_train(t: Table, cfg, micro_batches: list[int], iters: int, reps: int, out_dir: Path | None,
                 profile: bool, results: dict[str, Any], n_params_flop: float, peak: float,
-                tokens_per_step: int, bf16_grad_dots: bool = False) -> Any:
+                tokens_per_step: int) -> Any:
     import jax
     import jax.numpy as jnp
     import optax
@@ -387,26 +367,22 @@ def bench_train(t: Table, cfg, micro_batches: list[int], iters: int, reps: int, 
     update_j = jax.jit(update, donate_argnums=(0, 1), static_argnums=(3,))
     rng = np.random.default_rng(0)
     dev = jax.devices()[0]
-    runs = [(B, False) for B in micro_batches]
-    if bf16_grad_dots:
-        runs.append((micro_batches[0], True))
-    best: dict[bool, tuple[int, float, int]] = {}
+    best: dict[str, tuple[int, float, int]] = {}   # "best" -> (B, micro-step s, accum), largest tok/s
     acc = None
-    for B, patched in runs:
+    for B in micro_batches:
         accum = max(1, tokens_per_step // (B * S))
-        tag = f"B={B}" + (", bf16-backward model dots (experimental)" if patched else "")
+        tag = f"B={B}"
         if best and time.perf_counter() - T_START > SKIP_EXTRA_AFTER_S:
             t.add("train", f"micro-step fwd+bwd {tag}", None, "ms",
                   f"skipped: bench past {SKIP_EXTRA_AFTER_S:.0f} s (--skip-extra-after)")
             continue
         try:
-            _set_bf16_grad_dots(patched)
             grad_fn = jax.value_and_grad(_loss_fn)
 
             def micro(params, acc, batch):
                 loss, grads = grad_fn(params, batch, mcfg)
                 return jax.tree.map(jnp.add, acc, (loss, grads))
-            micro_j = jax.jit(micro, donate_argnums=(1,))   # a fresh jit per variant (the patch is global)
+            micro_j = jax.jit(micro, donate_argnums=(1,))
             toks = rng.integers(0, mcfg.vocab_size, (B, S + 1), dtype=np.int32)
             batch = {"inputs": jnp.asarray(toks[:, :-1]), "targets": jnp.asarray(toks[:, 1:])}
             acc = None
@@ -439,11 +415,11 @@ def bench_train(t: Table, cfg, micro_batches: list[int], iters: int, reps: int, 
             if "peak_bytes_in_use" in stats:
                 t.add("train", f"peak device memory after {tag} (cumulative)", stats["peak_bytes_in_use"] / 2**30,
                       "GiB", "memory_stats peak_bytes_in_use (params+opt state+grad acc+activations)")
-            if B * S / med > (best[patched][0] * S / best[patched][1] if patched in best else 0):
-                best[patched] = (B, med, accum)
+            if B * S / med > (best["best"][0] * S / best["best"][1] if best else 0):
+                best["best"] = (B, med, accum)
             if profile and B == micro_batches[0]:
                 _profile_rows(t, "train", f"one micro-step {tag}", call, jax.block_until_ready, out_dir,
-                              "profile_train_bf16dots.txt" if patched else "profile_train.txt")
+                              "profile_train.txt")
             acc = state["acc"]
             del batch, compiled
         except Exception as e:  # noqa: BLE001
@@ -451,8 +427,6 @@ def bench_train(t: Table, cfg, micro_batches: list[int], iters: int, reps: int, 
             t.add("train", f"micro-step fwd+bwd {tag} x {S}", None, "ms", f"failed: {type(e).__name__}: {msg}")
             acc = None
             gc.collect()
-        finally:
-            _set_bf16_grad_dots(False)
     if not best:
         return params
     if acc is None:
@@ -472,12 +446,12 @@ def bench_train(t: Table, cfg, micro_batches: list[int], iters: int, reps: int, 
         results["train"]["update"] = med
         t.add("train", "optimizer update (clip + Muon NS5 x96 + AdamW)", med * 1e3, "ms",
               f"compile {ct:.0f} s; {_spread(ts)}")
-        for patched, (B, t_micro, accum) in sorted(best.items()):
-            tag = " [experimental bf16-backward model dots]" if patched else ""
+        for B, t_micro, accum in best.values():
+            tag = ""
             step = accum * t_micro + med
             tok_s = tokens_per_step / step
             mfu = tok_s * 6 * n_params_flop / peak
-            results["train"][f"B{B}{'_bf16dots' if patched else ''}"] = dict(step_s=step, tok_s=tok_s, mfu=mfu)
+            results["train"][f"B{B}"] = dict(step_s=step, tok_s=tok_s, mfu=mfu)
             t.add("train", f"step of {tokens_per_step:,} tokens = {accum} x micro(B={B}) + 1 update{tag}", step, "s",
                   "computed from the two medians above")
             t.add("train", f"training throughput{tag}", tok_s, "tok/s", "target >= 28,000")
@@ -566,8 +540,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-fla", action="store_true", help="skip the fla (torch/Triton) comparison")
     ap.add_argument("--decode-unscanned", action="store_true",
                     help="also time decode with model.scan_layers=false (a Python loop over the layers)")
-    ap.add_argument("--bf16-grad-dots", action="store_true",
-                    help="also time the train micro-step with model.py's dots given a bf16 backward (bench-only patch)")
     ap.add_argument("--profile", action="store_true", help="trace one train micro-step, kernel-time summary")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--skip-extra-after", type=float, default=float("inf"),
@@ -581,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    t = Table()
+    t = Table(out_dir / "bench_rows.txt" if out_dir else None)
     results: dict[str, Any] = {}
 
     from laplace_jax.config import load_config
@@ -624,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens = cfg.train.batch_tokens if args.smoke else ARTICLE_TOKENS_PER_STEP
         try:
             params = bench_train(t, cfg, micro_batches, 3 if not args.smoke else iters, reps if args.smoke else 5,
-                                 out_dir, args.profile, results, n_flop, PEAK_BF16, tokens, args.bf16_grad_dots)
+                                 out_dir, args.profile, results, n_flop, PEAK_BF16, tokens)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             t.add("train", "train section", None, "", f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")

@@ -91,7 +91,7 @@ def make_train_step(cfg: Config, tx: optax.GradientTransformation) -> Callable:
         loss, grads = loss / n, jax.tree.map(lambda g: g / n, grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     return step
 

@@ -14,14 +14,15 @@ def test_bench_smoke(tmp_path):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     env["JAX_PLATFORMS"] = "cpu"
-    p = subprocess.run([sys.executable, "-m", "laplace_jax.bench", "--smoke", "--profile", "--bf16-grad-dots", "--out", str(tmp_path)],
+    p = subprocess.run([sys.executable, "-m", "laplace_jax.bench", "--smoke", "--profile", "--out", str(tmp_path)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     md = (tmp_path / "bench.md").read_text()
     assert md in p.stdout
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     by_item = {r["item"]: r for r in rows}
-    want = ["ours chunk_simple_gla (num_chunks=16) fwd+bwd", "micro-step fwd+bwd B=2 x 64",
+    want = ["ours chunk_simple_gla (num_chunks=16, hand_off=scan) fwd+bwd",
+            "ours chunk_simple_gla (num_chunks=16, hand_off=matmul) fwd+bwd", "micro-step fwd+bwd B=2 x 64",
             "optimizer update (clip + Muon NS5 x96 + AdamW)", "training throughput",
             "MFU (6N FLOP/token, 989 TFLOP/s)", "decode_step width 1", "decode_step width 4"]
     for item in want:
