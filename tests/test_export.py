@@ -9,8 +9,10 @@ import types
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("safetensors")
+from conftest import need  # noqa: E402
+
+torch = need("torch")
+need("safetensors")
 
 from export.convert import ExportError, export_params  # noqa: E402
 from export.torch_model import LaplaceForCausalLM  # noqa: E402

@@ -50,9 +50,9 @@ def committed(run_dir):
 
 
 @pytest.mark.slow
-def test_tiny_model_learns_on_demo_corpus(tmp_path):
-    run_train(tmp_path / "run", "--steps", "200", "train.eval_every=100", "train.ckpt_every=200")
-    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+def test_tiny_model_learns_on_demo_corpus(trained_tiny):
+    recs = [json.loads(x) for x in (trained_tiny / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(1, 201))
     first, last = recs[0]["loss"], np.mean([r["loss"] for r in recs[-10:]])
     assert first > np.log(50257) - 0.5                  # starts near ln(vocab) ≈ 10.8
     assert first - last >= 3.0, (first, last)           # falls by at least 3 nats

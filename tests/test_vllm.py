@@ -9,8 +9,10 @@ import sys
 
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("vllm")
+from conftest import need  # noqa: E402
+
+torch = need("torch")
+need("vllm")
 
 from export.convert import export_params  # noqa: E402
 from export.torch_model import LaplaceForCausalLM  # noqa: E402
