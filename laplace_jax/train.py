@@ -210,7 +210,8 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
     shapes = param_shapes(cfg.model)
     p_sh = param_shardings(shapes, mesh)
     tx, report = build_optimizer(cfg.optim, shapes, mesh=mesh)
-    o_sh = opt_state_shardings(jax.eval_shape(tx.init, shapes), mesh)
+    o_shapes = jax.eval_shape(tx.init, shapes)
+    o_sh = opt_state_shardings(o_shapes, mesh)
     rep = replicated(mesh)
     b_sh = batch_sharding(mesh, 3, batch_axis=1)
     schedule = make_schedule(cfg.optim)
@@ -220,10 +221,9 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
     latest = mngr.latest_step()
     if latest is not None:
         ckpt.check_compatible(run_dir, latest, cfg)
-        abs_p = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, p_sh)
-        o_shapes = jax.eval_shape(tx.init, shapes)
-        abs_t = {"opt_state": jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                                           o_shapes, o_sh),
+        placed = lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)  # noqa: E731
+        abs_p = jax.tree.map(placed, shapes, p_sh)
+        abs_t = {"opt_state": jax.tree.map(placed, o_shapes, o_sh),
                  "step": np.zeros((), np.int32),
                  "rng": np.zeros(jax.eval_shape(jax.random.PRNGKey, 0).shape, np.uint32)}  # (4,) with rbg
         params, tstate = ckpt.restore(mngr, run_dir, latest, abs_p, abs_t, data_iter)
@@ -243,9 +243,8 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
 
     step_fn = jax.jit(make_train_step(cfg, tx), in_shardings=(p_sh, o_sh, b_sh),
                       out_shardings=(p_sh, o_sh, rep), donate_argnums=(0, 1))
-    eval_fn = jax.jit(lambda p, b: loss_fn(p, b, cfg), in_shardings=(p_sh, batch_sharding(mesh, 2)),
-                      out_shardings=rep)
     eval_sh = batch_sharding(mesh, 2)
+    eval_fn = jax.jit(lambda p, b: loss_fn(p, b, cfg), in_shardings=(p_sh, eval_sh), out_shardings=rep)
 
     def evaluate(params) -> float:
         losses = []
@@ -266,6 +265,12 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
         metrics.note(str(report))
         if start:
             metrics.note(f"resumed from step {start} ({run_dir / 'checkpoints' / str(start)})")
+
+    def save_now() -> None:
+        nonlocal last_good
+        ckpt.save(mngr, step, params, {"opt_state": opt_state, "step": np.asarray(step, np.int32), "rng": rng},
+                  data_iter, cfg)
+        last_good = step
 
     stop = _Stop()
     last_good = start if latest is not None else None
@@ -294,12 +299,9 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
                 metrics.note(f"step {step}: train loss {loss:.4f}, held-out loss {rec['eval_loss']:.4f}")
             metrics.log(rec, show=step % cfg.train.log_every == 0)
             if step % cfg.train.ckpt_every == 0 or step == total or stop.signal is not None:
-                ckpt.save(mngr, step, params, {"opt_state": opt_state, "step": np.asarray(step, np.int32),
-                                                "rng": rng}, data_iter, cfg)
-                last_good = step
+                save_now()
         if stop.signal is not None and last_good != step:
-            ckpt.save(mngr, step, params, {"opt_state": opt_state, "step": np.asarray(step, np.int32),
-                                            "rng": rng}, data_iter, cfg)
+            save_now()
     finally:
         mngr.wait_until_finished()
         mngr.close()
