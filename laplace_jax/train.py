@@ -23,8 +23,6 @@ def _preset_local_devices(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     _preset_local_devices(sys.argv[1:])
-    import logging  # grain warns at import that profiling needs jaxlib >= 0.11 (jax-neuronx pins 0.10): drop it
-    logging.getLogger("absl").addFilter(lambda r: "worker profiling requires" not in r.getMessage())
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
