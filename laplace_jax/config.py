@@ -314,10 +314,6 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
     return d
 
 
-def model_config_from_dict(d: dict[str, Any]) -> ModelConfig:
-    return _build(ModelConfig, d, "model.")
-
-
 def gla_decay_log(m: ModelConfig) -> "list[float]":
     """γ_h = ln λ_h with λ_h = 2^(-1/half_life_h), half_life_h = T_min (T_max/T_min)^(h/(H-1))."""
     H = m.num_heads

@@ -173,14 +173,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def load_generator(run_dir: str, step: int | None = None, widths: Sequence[int] | None = None,
-                   sampling: Sampling = Sampling()) -> tuple[Generator, Config]:
-    """A Generator over a checkpoint's parameters (float32)."""
-    from laplace_jax.checkpoint import load_params
-
-    params, cfg, _ = load_params(run_dir, step)
-    return Generator(jax.tree.map(jnp.asarray, params), cfg.model, widths or cfg.decode_widths, sampling), cfg
-
-
 if __name__ == "__main__":
     sys.exit(main())

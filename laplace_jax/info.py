@@ -23,14 +23,10 @@ import numpy as np
 
 from laplace_jax.config import Config, ConfigError, load_config
 from laplace_jax.model import init_state, param_shapes
+from laplace_jax.optim.optimizer import is_muon_path
 from laplace_jax.optim.plan import muon_traffic_bytes
 
 KV_CONTEXT = 8192
-
-
-def is_muon_leaf(path: tuple[Any, ...]) -> bool:
-    """The Muon group: every stacked hidden matrix, named `w_*` (docs/PARAMS.md)."""
-    return str(getattr(path[-1], "key", path[-1])).startswith("w_")
 
 
 def ns_flop(m: int, n: int, steps: int) -> int:
@@ -50,7 +46,7 @@ def model_report(cfg: Config, ranks: int = 64) -> dict[str, Any]:
     m = cfg.model
     shapes = param_shapes(m)
     leaves = jax.tree_util.tree_flatten_with_path(shapes)[0]
-    muon = [(p, s) for p, s in leaves if is_muon_leaf(p)]
+    muon = [(p, s) for p, s in leaves if is_muon_path(p)]
     n_total = sum(int(np.prod(s.shape)) for _, s in leaves)
     n_muon = sum(int(np.prod(s.shape)) for _, s in muon)
     matrices = [(s.shape[-2], s.shape[-1]) for _, s in muon for _ in range(s.shape[0])]

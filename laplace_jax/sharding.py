@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from laplace_jax.config import MeshConfig
+from laplace_jax.optim.optimizer import is_muon_path
 
 DATA, FSDP = "data", "fsdp"
 BATCH_AXES = (DATA, FSDP)
@@ -47,7 +48,7 @@ def param_spec(path: tuple[Any, ...], shape: tuple[int, ...], fsdp: int) -> P:
     """The PartitionSpec of one parameter, from its name and shape."""
     name = str(getattr(path[-1], "key", path[-1]))
     axis = None
-    if name.startswith("w_") and len(shape) == 3:
+    if is_muon_path(path) and len(shape) == 3:
         axis = 1
     elif name == "embed":
         axis = 0

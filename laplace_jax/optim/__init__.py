@@ -9,7 +9,7 @@ import importlib
 
 _EXPORTS = {
     "build_optimizer": "optimizer", "make_schedule": "optimizer", "label_params": "optimizer",
-    "assignment_report": "optimizer", "OptimizerReport": "optimizer",
+    "assignment_report": "optimizer", "OptimizerReport": "optimizer", "is_muon_path": "optimizer",
     "muon": "muon", "scale_by_muon": "muon", "newton_schulz": "muon",
     "orthogonalize": "muon", "orthogonalize_stack": "muon", "shape_scale": "muon",
     "make_plan": "plan", "muon_traffic_bytes": "plan", "ns_flops": "plan", "MuonPlan": "plan",

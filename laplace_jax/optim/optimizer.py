@@ -18,10 +18,14 @@ def _key(p) -> str:
     return str(getattr(p, "key", getattr(p, "name", getattr(p, "idx", p))))
 
 
+def is_muon_path(path: tuple[Any, ...]) -> bool:
+    """The Muon group: every hidden matrix, named ``w_*`` (docs/PARAMS.md). The one place the rule lives."""
+    return bool(path) and _key(path[-1]).startswith("w_")
+
+
 def label_params(params: Any) -> Any:
     """'muon' for every leaf whose key starts with ``w_`` (stacked [L, m, n]); 'adamw' otherwise."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: MUON if path and _key(path[-1]).startswith("w_") else ADAMW, params)
+    return jax.tree_util.tree_map_with_path(lambda path, _: MUON if is_muon_path(path) else ADAMW, params)
 
 
 def _adamw_decay_mask(params: Any) -> Any:
@@ -79,7 +83,7 @@ def assignment_report(params: Any, *, comm: str = "", comm_dtype: str = "",
     rep = OptimizerReport(comm=comm, comm_dtype=comm_dtype, fsdp_ranks=fsdp_ranks)
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
         name = "/".join(_key(p) for p in path)
-        if path and _key(path[-1]).startswith("w_"):
+        if is_muon_path(path):
             rep.muon_matrices += int(x.shape[0]) if len(x.shape) == 3 else 1
             rep.muon_params += _size(x)
             rep.muon_leaves.append(name)
