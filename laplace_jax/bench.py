@@ -19,9 +19,12 @@ calls ended by ``block_until_ready`` (torch: ``torch.cuda.synchronize``); the me
 from __future__ import annotations
 
 import os
+import sys
 
 # Let the 3B step use most of the card (JAX preallocates 75 % by default). Harmless on CPU.
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
+if "--gla-interleave" in sys.argv:   # torch (fla) shares the card with JAX in this process
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
@@ -31,7 +34,6 @@ import json  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -219,8 +221,31 @@ def _gla_fwd_bwd(gla_fn: Callable, g):
     return jax.jit(f)
 
 
+def _fla_in_process(x: dict[str, np.ndarray]):
+    """fla fwd+bwd as a zero-argument call in this process (for interleaved timing), its sync, and
+    its outputs on batch row 0 as float32 NumPy."""
+    import torch
+    from fla.ops.simple_gla import chunk_simple_gla as fla_gla
+
+    q, k, v, do = (torch.tensor(x[n], device="cuda").to(torch.bfloat16) for n in ("q", "k", "v", "do"))
+    for a in (q, k, v):
+        a.requires_grad_(True)
+    g = torch.tensor(x["g"], device="cuda")
+
+    def step():
+        o, _ = fla_gla(q, k, v, g_gamma=g)
+        return (o, *torch.autograd.grad(o, (q, k, v), do))
+    outs = step()
+    torch.cuda.synchronize()
+    ref = {n: a[:1].detach().float().cpu().numpy() for n, a in zip(("o", "dq", "dk", "dv"), outs)}
+    return step, (lambda _: torch.cuda.synchronize()), ref, torch.__version__
+
+
 def bench_gla(t: Table, shape: dict[str, int], iters: int, reps: int, fla: dict[str, Any] | None,
-              variants: bool, results: dict[str, Any]) -> None:
+              variants: bool, results: dict[str, Any], interleave: bool = False) -> None:
+    """Ours (both hand-offs) against fla. `interleave`: fla runs in this process and every
+    repetition times fla and each of ours back to back, so clock/thermal drift hits all alike;
+    the ratio is then also given as the median of the per-repetition ratios."""
     import jax
     import jax.numpy as jnp
 
@@ -241,33 +266,71 @@ def bench_gla(t: Table, shape: dict[str, int], iters: int, reps: int, fla: dict[
             lambda q, k, v, g: gla_headmajor(q, k, v, g, num_chunks=16, bf16_bwd=True)
         forms["variant: two products, plain-autodiff backward (num_chunks=16)"] = \
             lambda q, k, v, g: gla_headmajor(q, k, v, g, num_chunks=16)
-    fla_s = None
-    if fla and "median_s" in fla:
-        fla_s = fla["median_s"]
-        t.add("gla", "fla chunk_simple_gla(g_gamma) fwd+bwd", fla_s * 1e3, "ms",
-              f"torch {fla['torch']}, {_spread(fla['times'])}")
-    elif fla:
-        t.add("gla", "fla chunk_simple_gla(g_gamma) fwd+bwd", None, "ms", fla.get("skipped", ""))
+    calls: dict[str, tuple[Callable, Callable]] = {}
+    fla_ref = fla.get("out") if fla else None
+    fla_note = ""
+    if interleave:
+        try:
+            step, sync, fla_ref, tv = _fla_in_process(x)
+            calls["fla"] = (step, sync)
+            fla_note = f"torch {tv}, same process, interleaved"
+        except Exception as e:  # noqa: BLE001
+            print(f"[bench] in-process fla failed ({type(e).__name__}: {str(e)[:160]}); "
+                  f"running it in a child process instead", flush=True)
+            with tempfile.TemporaryDirectory() as tmp:
+                fla = run_fla(shape, iters, reps, tmp)
+            fla_ref = fla.get("out")
+    compiled: dict[str, Callable] = {}
     for name, fn in forms.items():
         try:
             f = _gla_fwd_bwd(fn, g)
-            med, ts = _median_time(lambda: f(q, k, v, do), jax.block_until_ready, iters, reps, warmup=3)
-            note = _spread(ts) + f"; ~{3 * flop_fwd / med / 1e12:.0f} TFLOP/s (3x fwd FLOP)"
-            if fla and "out" in fla and name.startswith("ours chunk_simple_gla"):
-                outs = f(q, k, v, do)
-                errs = []
-                for n, a in zip(("o", "dq", "dk", "dv"), outs):
-                    a = np.asarray(a[:1].astype(jnp.float32), np.float64)
-                    ref = fla["out"][n].astype(np.float64)
-                    errs.append(f"{n} {np.linalg.norm(a - ref) / np.linalg.norm(ref):.1e}")
-                note += "; rel.err vs fla " + ", ".join(errs)
-            t.add("gla", name + " fwd+bwd", med * 1e3, "ms", note)
-            results.setdefault("gla", {})[name] = med
-            if fla_s and name.startswith("ours chunk_simple_gla"):
-                t.add("gla", f"ratio ours/fla (same run), hand_off={name.split('hand_off=')[1].rstrip(')')}",
-                      med / fla_s, "x", "target <= 1.0")
+            jax.block_until_ready(f(q, k, v, do))
+            compiled[name] = f
+            calls[name] = ((lambda f: lambda: f(q, k, v, do))(f), jax.block_until_ready)
         except Exception as e:  # noqa: BLE001
             t.add("gla", name + " fwd+bwd", None, "ms", f"failed: {type(e).__name__}: {str(e)[:160]}")
+    times: dict[str, list[float]] = {n: [] for n in calls}
+    for n, (c, sync) in calls.items():          # warm-up (compile, autotune) before any timing
+        _median_time(c, sync, 1, 1, warmup=3)
+    if interleave:
+        for _ in range(reps):
+            for n, (c, sync) in calls.items():
+                times[n] += _median_time(c, sync, iters, 1, warmup=0)[1]
+    else:
+        for n, (c, sync) in calls.items():
+            times[n] = _median_time(c, sync, iters, reps, warmup=0)[1]
+    fla_s = None
+    if "fla" in times:
+        fla_s = statistics.median(times["fla"])
+        fla_times = times["fla"]
+        t.add("gla", "fla chunk_simple_gla(g_gamma) fwd+bwd", fla_s * 1e3, "ms", f"{fla_note}, {_spread(fla_times)}")
+    elif fla and "median_s" in fla:
+        fla_s, fla_times = fla["median_s"], None
+        t.add("gla", "fla chunk_simple_gla(g_gamma) fwd+bwd", fla_s * 1e3, "ms",
+              f"torch {fla['torch']}, child process, {_spread(fla['times'])}")
+    elif fla:
+        t.add("gla", "fla chunk_simple_gla(g_gamma) fwd+bwd", None, "ms", fla.get("skipped", ""))
+    for name, f in compiled.items():
+        ts = times[name]
+        med = statistics.median(ts)
+        note = _spread(ts) + f"; ~{3 * flop_fwd / med / 1e12:.0f} TFLOP/s (3x fwd FLOP)"
+        if fla_ref is not None and name.startswith("ours chunk_simple_gla"):
+            errs = []
+            for n, a in zip(("o", "dq", "dk", "dv"), f(q, k, v, do)):
+                a = np.asarray(a[:1].astype(jnp.float32), np.float64)
+                ref = fla_ref[n].astype(np.float64)
+                errs.append(f"{n} {np.linalg.norm(a - ref) / np.linalg.norm(ref):.1e}")
+            note += "; rel.err vs fla " + ", ".join(errs)
+        t.add("gla", name + " fwd+bwd", med * 1e3, "ms", note)
+        results.setdefault("gla", {})[name] = med
+        if fla_s and name.startswith("ours chunk_simple_gla"):
+            h = name.split("hand_off=")[1].rstrip(")")
+            note = "target <= 1.0"
+            if "fla" in times:
+                per_rep = [a / b for a, b in zip(ts, times["fla"])]
+                note += (f"; median of the {len(per_rep)} per-repetition ratios {statistics.median(per_rep):.3f} "
+                         f"(min {min(per_rep):.3f} / max {max(per_rep):.3f})")
+            t.add("gla", f"ratio ours/fla (same run), hand_off={h}", med / fla_s, "x", note)
 
 
 # ----------------------------------------------------------------------------- training step
@@ -337,26 +400,67 @@ def _profile_rows(t: Table, section: str, label: str, call, sync, out_dir: Path 
         t.add(section, f"profile of {label}", None, "", f"failed: {type(e).__name__}: {str(e)[:120]}")
 
 
-def bench_train(t: Table, cfg, micro_batches: list[int], iters: int, reps: int, out_dir: Path | None,
+def parse_variants(spec: str) -> list[tuple[int, list[str]]]:
+    """'8,16,4:remat=none:scan_layers=false' → [(8, []), (16, []), (4, ['model.remat=none', ...])]."""
+    out = []
+    for item in (x.strip() for x in spec.split(",")):
+        if not item:
+            continue
+        b, *kv = item.split(":")
+        out.append((int(b), [f"model.{x}" if not x.startswith("model.") else x for x in kv]))
+    return out
+
+
+def _variant_cfg(cfg, overrides: list[str]):
+    from laplace_jax.config import config_to_dict, from_dict
+    return from_dict(config_to_dict(cfg), overrides) if overrides else cfg
+
+
+def _variant_tag(B: int, overrides: list[str]) -> str:
+    return f"B={B}" + "".join(f" {o.split('.', 1)[1]}" for o in overrides)
+
+
+def bench_train(t: Table, cfg, variants: list[tuple[int, list[str]]], iters: int, reps: int, out_dir: Path | None,
                 profile: bool, results: dict[str, Any], n_params_flop: float, peak: float,
-                tokens_per_step: int) -> Any:
+                tokens_per_step: int, n_devices: int = 1) -> Any:
+    """Time one micro-step per variant (B sequences per device, model overrides), then the update.
+    With `n_devices` > 1: FSDP over a (data=1, fsdp=n) mesh and the distributed (all_to_all) Muon,
+    exactly as `laplace_jax.train` shards them; B is per device."""
     import jax
     import jax.numpy as jnp
     import optax
 
+    from laplace_jax.config import MeshConfig
     from laplace_jax.model import init_params
     from laplace_jax.optim import build_optimizer
+    from laplace_jax.sharding import (batch_sharding, make_mesh, opt_state_shardings, param_shardings,
+                                      replicated)
 
     mcfg = cfg.model
     S = mcfg.seq_len
     t0 = time.perf_counter()
-    params = init_params(mcfg, jax.random.PRNGKey(0))
-    n_real = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
-    tx, _ = build_optimizer(cfg.optim, params)           # mesh=None: single-device Muon
-    opt_state = jax.jit(tx.init)(params)
+    mesh = make_mesh(MeshConfig(data=1, fsdp=n_devices), jax.devices()[:n_devices]) if n_devices > 1 else None
+    if mesh is not None:
+        shapes = jax.eval_shape(lambda: init_params(mcfg, jax.random.PRNGKey(0)))
+        p_sh = param_shardings(shapes, mesh)
+        params = jax.jit(init_params, static_argnums=0, out_shardings=p_sh)(mcfg, jax.random.PRNGKey(0))
+        tx, _ = build_optimizer(cfg.optim, shapes, mesh=mesh)
+        o_sh = opt_state_shardings(jax.eval_shape(tx.init, shapes), mesh)
+        opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
+        acc_sh = (replicated(mesh), p_sh)
+        b_sh = {"inputs": batch_sharding(mesh, 2), "targets": batch_sharding(mesh, 2)}
+        jit_kw = dict(in_shardings=(p_sh, acc_sh, b_sh), out_shardings=acc_sh)
+        ujit_kw = dict(in_shardings=(p_sh, o_sh, acc_sh), out_shardings=(p_sh, o_sh, replicated(mesh)))
+    else:
+        params = init_params(mcfg, jax.random.PRNGKey(0))
+        tx, _ = build_optimizer(cfg.optim, params)           # mesh=None: single-device Muon
+        opt_state = jax.jit(tx.init)(params)
+        acc_sh, jit_kw, ujit_kw = None, {}, {}
     jax.block_until_ready(opt_state)
+    n_real = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
+    where = f"FSDP over {n_devices} devices (mesh data=1 x fsdp={n_devices}), all_to_all Muon" if mesh else "1 device"
     t.add("train", "parameters (from the real tree)", float(n_real), "", f"6N uses N={n_params_flop:.4e}; "
-          f"init {time.perf_counter() - t0:.1f} s")
+          f"{where}; init {time.perf_counter() - t0:.1f} s")
 
     def update(params, opt_state, acc, n):
         loss, grads = acc
@@ -364,14 +468,19 @@ def bench_train(t: Table, cfg, micro_batches: list[int], iters: int, reps: int, 
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss / n
 
-    update_j = jax.jit(update, donate_argnums=(0, 1), static_argnums=(3,))
+    def zeros_acc():
+        z = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        return jax.device_put(z, acc_sh) if acc_sh is not None else z
+
     rng = np.random.default_rng(0)
-    dev = jax.devices()[0]
+    devs = jax.devices()[:n_devices]
     best: dict[str, tuple[int, float, int]] = {}   # "best" -> (B, micro-step s, accum), largest tok/s
     acc = None
-    for B in micro_batches:
-        accum = max(1, tokens_per_step // (B * S))
-        tag = f"B={B}"
+    for i, (B, overrides) in enumerate(variants):
+        vcfg = _variant_cfg(cfg, overrides).model
+        Bg = B * n_devices                         # sequences per micro-step over all devices
+        accum = max(1, tokens_per_step // (Bg * S))
+        tag = _variant_tag(B, overrides) + (f" per device x {n_devices}" if n_devices > 1 else "")
         if best and time.perf_counter() - T_START > SKIP_EXTRA_AFTER_S:
             t.add("train", f"micro-step fwd+bwd {tag}", None, "ms",
                   f"skipped: bench past {SKIP_EXTRA_AFTER_S:.0f} s (--skip-extra-after)")
@@ -379,15 +488,17 @@ def bench_train(t: Table, cfg, micro_batches: list[int], iters: int, reps: int, 
         try:
             grad_fn = jax.value_and_grad(_loss_fn)
 
-            def micro(params, acc, batch):
-                loss, grads = grad_fn(params, batch, mcfg)
+            def micro(params, acc, batch, vcfg=vcfg):
+                loss, grads = grad_fn(params, batch, vcfg)
                 return jax.tree.map(jnp.add, acc, (loss, grads))
-            micro_j = jax.jit(micro, donate_argnums=(1,))
-            toks = rng.integers(0, mcfg.vocab_size, (B, S + 1), dtype=np.int32)
+            micro_j = jax.jit(micro, donate_argnums=(1,), **jit_kw)
+            toks = rng.integers(0, mcfg.vocab_size, (Bg, S + 1), dtype=np.int32)
             batch = {"inputs": jnp.asarray(toks[:, :-1]), "targets": jnp.asarray(toks[:, 1:])}
+            if mesh is not None:
+                batch = jax.device_put(batch, b_sh)
             acc = None
             gc.collect()
-            acc = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+            acc = zeros_acc()
             tc = time.perf_counter()
             compiled = micro_j.lower(params, acc, batch).compile()
             ct = time.perf_counter() - tc
@@ -406,20 +517,20 @@ def bench_train(t: Table, cfg, micro_batches: list[int], iters: int, reps: int, 
             med, ts = _median_time(call, jax.block_until_ready, iters, reps, warmup=2)
             loss0 = float(state["acc"][0])
             results.setdefault("train", {})[f"micro_{tag}"] = med
-            note = f"{B * S / med:,.0f} tok/s in the micro-step alone; compile {ct:.0f} s; "
-            note += f"XLA memory estimate {mem:.1f} GiB; " if mem is not None else ""
+            note = f"{Bg * S / med:,.0f} tok/s in the micro-step alone; compile {ct:.0f} s; "
+            note += f"XLA memory estimate {mem:.1f} GiB per device; " if mem is not None else ""
             t.add("train", f"micro-step fwd+bwd {tag} x {S}", med * 1e3, "ms", note + _spread(ts))
             if not math.isfinite(loss0):
                 t.add("train", f"micro-step {tag} loss", loss0, "", "NON-FINITE")
-            stats = dev.memory_stats() or {}
-            if "peak_bytes_in_use" in stats:
-                t.add("train", f"peak device memory after {tag} (cumulative)", stats["peak_bytes_in_use"] / 2**30,
-                      "GiB", "memory_stats peak_bytes_in_use (params+opt state+grad acc+activations)")
-            if B * S / med > (best["best"][0] * S / best["best"][1] if best else 0):
-                best["best"] = (B, med, accum)
-            if profile and B == micro_batches[0]:
+            peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devs]
+            if all(p is not None for p in peaks):
+                t.add("train", f"peak device memory after {tag} (cumulative)", max(peaks) / 2**30,
+                      "GiB", "memory_stats peak_bytes_in_use, largest device (params+opt state+grad acc+activations)")
+            if Bg * S / med > (best["best"][0] * S / best["best"][1] if best else 0):
+                best["best"] = (Bg, med, accum)
+            if profile and i == 0:
                 _profile_rows(t, "train", f"one micro-step {tag}", call, jax.block_until_ready, out_dir,
-                              "profile_train.txt")
+                              f"profile_train_{n_devices}dev.txt")
             acc = state["acc"]
             del batch, compiled
         except Exception as e:  # noqa: BLE001
@@ -430,35 +541,38 @@ def bench_train(t: Table, cfg, micro_batches: list[int], iters: int, reps: int, 
     if not best:
         return params
     if acc is None:
-        acc = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        acc = zeros_acc()
     try:
-        accum0 = next(iter(best.values()))[2]
+        accum0 = best["best"][2]
+        update_j = jax.jit(lambda p, o, a: update(p, o, a, accum0), donate_argnums=(0, 1), **ujit_kw)
         state = {"p": params, "o": opt_state}
         tc = time.perf_counter()
-        update_j.lower(params, opt_state, acc, accum0).compile()
+        update_j.lower(params, opt_state, acc).compile()
         ct = time.perf_counter() - tc
 
         def ucall():
-            state["p"], state["o"], loss = update_j(state["p"], state["o"], acc, accum0)
+            state["p"], state["o"], loss = update_j(state["p"], state["o"], acc)
             return state["p"]
         med, ts = _median_time(ucall, jax.block_until_ready, max(1, iters // 2), reps, warmup=2)
         params, opt_state = state["p"], state["o"]
         results["train"]["update"] = med
-        t.add("train", "optimizer update (clip + Muon NS5 x96 + AdamW)", med * 1e3, "ms",
+        t.add("train", f"optimizer update (clip + Muon NS5 x96 + AdamW), {where}", med * 1e3, "ms",
               f"compile {ct:.0f} s; {_spread(ts)}")
-        for B, t_micro, accum in best.values():
-            step = accum * t_micro + med
-            tok_s = tokens_per_step / step
-            mfu = tok_s * 6 * n_params_flop / peak
-            results["train"][f"B{B}"] = dict(step_s=step, tok_s=tok_s, mfu=mfu)
-            t.add("train", f"step of {tokens_per_step:,} tokens = {accum} x micro(B={B}) + 1 update", step, "s",
-                  "computed from the two medians above")
-            t.add("train", "training throughput", tok_s, "tok/s", "target >= 28,000")
-            t.add("train", "MFU (6N FLOP/token, 989 TFLOP/s)", 100 * mfu, "%", "target >= 64 %")
-        stats = dev.memory_stats() or {}
-        if "peak_bytes_in_use" in stats:
-            t.add("train", "peak device memory, whole train section", stats["peak_bytes_in_use"] / 2**30, "GiB",
-                  f"of {stats.get('bytes_limit', 0) / 2**30:.0f} GiB usable by JAX")
+        Bg, t_micro, accum = best["best"]
+        step = accum * t_micro + med
+        tok_s = tokens_per_step / step
+        mfu = tok_s * 6 * n_params_flop / peak / n_devices
+        results["train"]["best"] = dict(B_global=Bg, step_s=step, tok_s=tok_s, mfu=mfu, devices=n_devices)
+        t.add("train", f"step of {tokens_per_step:,} tokens = {accum} x micro(best, {Bg} seq) + 1 update", step, "s",
+              "computed from the two medians above")
+        t.add("train", f"training throughput, {n_devices} device(s)", tok_s, "tok/s",
+              "target >= 28,000 on one H200; >= 1.9x one GPU on two")
+        t.add("train", "MFU per device (6N FLOP/token, 989 TFLOP/s datasheet)", 100 * mfu, "%",
+              f"against the measured bf16 GEMM ceiling ~790 TFLOP/s: {100 * mfu * peak / 790e12:.1f} %")
+        peaks = [(d.memory_stats() or {}) for d in devs]
+        if all("peak_bytes_in_use" in p for p in peaks):
+            t.add("train", "peak device memory, whole train section", max(p["peak_bytes_in_use"] for p in peaks) / 2**30,
+                  "GiB", f"largest device, of {peaks[0].get('bytes_limit', 0) / 2**30:.0f} GiB usable by JAX")
     except Exception as e:  # noqa: BLE001
         t.add("train", "optimizer update", None, "ms", f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
     del opt_state, acc
@@ -470,11 +584,14 @@ def bench_train(t: Table, cfg, micro_batches: list[int], iters: int, reps: int, 
 
 def bench_decode(t: Table, cfg, params, widths: list[int], iters: int, reps: int,
                  results: dict[str, Any], profile: bool = False, out_dir: Path | None = None,
-                 unscanned: bool = False) -> None:
+                 unscanned: bool = False, prefill_batch: int = 8) -> None:
+    """decode_step at each width (bf16 weights, fp32 state, argmax fed back); at the widest width
+    also the old scanned-state form (`state_in_place=False`) and, with `profile`, a trace; then
+    `prefill` of [prefill_batch, seq_len] prompts (the other half of serving)."""
     import jax
     import jax.numpy as jnp
 
-    from laplace_jax.model import decode_step, init_params, init_state, state_bytes_per_sequence
+    from laplace_jax.model import decode_step, init_params, init_state, prefill, state_bytes_per_sequence
 
     mcfg = dataclasses.replace(cfg.model, remat="none")
     if params is None:
@@ -484,46 +601,54 @@ def bench_decode(t: Table, cfg, params, widths: list[int], iters: int, reps: int
     del params
     gc.collect()
 
-    def step(p, tok, st):
-        logits, st = decode_step(p, tok, st, mcfg)
-        return jnp.argmax(logits, -1).astype(jnp.int32), st
+    def make_step(c, in_place=True):
+        def step(p, tok, st):
+            logits, st = decode_step(p, tok, st, c, state_in_place=in_place)
+            return jnp.argmax(logits, -1).astype(jnp.int32), st
+        return jax.jit(step, donate_argnums=(2,))
 
-    step_j = jax.jit(step, donate_argnums=(2,))
     t.add("decode", "state bytes per sequence (fp32)", float(state_bytes_per_sequence(mcfg)), "B", "")
-    runs = [(w, False) for w in widths] + ([(w, True) for w in widths] if unscanned else [])
-    ucfg = dataclasses.replace(mcfg, scan_layers=False)
-
-    def step_u(p, tok, st):
-        logits, st = decode_step(p, tok, st, ucfg)
-        return jnp.argmax(logits, -1).astype(jnp.int32), st
-    step_uj = jax.jit(step_u, donate_argnums=(2,))
-    for w, unrolled in runs:
-        fn = step_uj if unrolled else step_j
-        label = f"decode_step width {w}" + (" [scan_layers=false]" if unrolled else "")
+    steps = {"": make_step(mcfg), " [state as scan xs/ys, before]": make_step(mcfg, in_place=False),
+             " [scan_layers=false]": make_step(dataclasses.replace(mcfg, scan_layers=False))}
+    wide = max(widths)
+    runs = [(w, "") for w in widths] + [(wide, " [state as scan xs/ys, before]")]
+    runs += [(w, " [scan_layers=false]") for w in widths] if unscanned else []
+    for w, kind in runs:
+        fn = steps[kind]
+        label = f"decode_step width {w}{kind}"
         try:
-            st = init_state(mcfg, w)
-            tok = jnp.zeros((w,), jnp.int32)
-            box = {"tok": tok, "st": st}
+            box = {"tok": jnp.zeros((w,), jnp.int32), "st": init_state(mcfg, w)}
 
             def call():
                 box["tok"], box["st"] = fn(p16, box["tok"], box["st"])
                 return box["tok"]
             tc = time.perf_counter()
-            call()
-            jax.block_until_ready(box["tok"])
+            jax.block_until_ready(call())
             ct = time.perf_counter() - tc
             med, ts = _median_time(call, jax.block_until_ready, iters, reps, warmup=2)
             results.setdefault("decode", {})[label] = med
+            state_gb = w * state_bytes_per_sequence(mcfg) / 1e9
             t.add("decode", label, med * 1e3, "ms/step",
-                  f"{w / med:,.0f} out tok/s; first call {ct:.1f} s; {_spread(ts)}")
-            if profile and w == widths[0] and not unrolled:
+                  f"{w / med:,.0f} out tok/s; state {state_gb:.1f} GB read+written per step "
+                  f"({2 * state_gb / med / 1e3:.2f} TB/s with the state alone); first call {ct:.1f} s; {_spread(ts)}")
+            if profile and w == wide and kind == "":
                 _profile_rows(t, "decode", f"one decode step width {w}", call, jax.block_until_ready, out_dir,
                               "profile_decode.txt")
-            del box, st
+            del box
             gc.collect()
         except Exception as e:  # noqa: BLE001
             t.add("decode", label, None, "ms/step",
                   f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    try:
+        S = mcfg.seq_len
+        pf = jax.jit(lambda p, x: prefill(p, x, mcfg)[1]["gla"][:, :, 0, 0, 0])   # keep the state, drop logits
+        toks = jnp.asarray(np.random.default_rng(1).integers(0, mcfg.vocab_size, (prefill_batch, S), np.int32))
+        med, ts = _median_time(lambda: pf(p16, toks), jax.block_until_ready, max(2, iters // 4), reps, warmup=1)
+        results.setdefault("decode", {})["prefill"] = med
+        t.add("decode", f"prefill [{prefill_batch}, {S}] (state out)", med * 1e3, "ms",
+              f"{prefill_batch * S / med:,.0f} prompt tok/s; {_spread(ts)}")
+    except Exception as e:  # noqa: BLE001
+        t.add("decode", "prefill", None, "ms", f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
 
 
 # ----------------------------------------------------------------------------- main
@@ -533,7 +658,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU, < 60 s): checks the code paths")
     ap.add_argument("--parts", default="gla,train,decode", help="comma list of gla, train, decode")
     ap.add_argument("--config", default="laplace_3b", help="model/optimizer config for train and decode")
-    ap.add_argument("--micro-batches", default="8,16", help="train micro-batch sizes to try (largest tok/s is used)")
+    ap.add_argument("--micro-batches", default="8,16",
+                    help="train variants: comma list of B[:key=value...] (model overrides), e.g. "
+                         "'8,16,4:remat=none'; B per device; the largest tok/s is used for the step")
+    ap.add_argument("--devices", type=int, default=1, help="train over this many devices (FSDP mesh, distributed Muon)")
+    ap.add_argument("--gla-interleave", action="store_true",
+                    help="run fla in this process and interleave its repetitions with ours (needs "
+                         "XLA_PYTHON_CLIENT_PREALLOCATE=false, set automatically when only gla runs)")
     ap.add_argument("--decode-widths", default="1,64,256")
     ap.add_argument("--gla-variants", action="store_true", help="also time the experimental form (plain autodiff backward)")
     ap.add_argument("--no-fla", action="store_true", help="skip the fla (torch/Triton) comparison")
@@ -559,19 +690,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         cfg = load_config("laplace_tiny", ["model.vocab_size=512", "model.seq_len=64", "model.remat=dots_no_batch",
                                            "model.compute_dtype=bfloat16", "train.batch_tokens=256"])
-        gla_shape, micro_batches, widths = GLA_SMOKE, [2], [1, 4]
+        gla_shape, widths = GLA_SMOKE, [1, 4]
+        micro_batches = parse_variants("2,2:dense_output=float32")
         iters, reps = 2, args.reps or 3
         n_flop = None
     else:
         cfg = load_config(args.config)
         gla_shape = GLA_FULL
-        micro_batches = [int(b) for b in args.micro_batches.split(",") if b]
+        micro_batches = parse_variants(args.micro_batches)
         widths = [int(w) for w in args.decode_widths.split(",") if w]
         iters, reps = 10, args.reps or 7
         n_flop = N_PARAMS_3B if args.config == "laplace_3b" else None
 
     fla = None
-    if "gla" in parts and not args.no_fla and not args.smoke:
+    if "gla" in parts and not args.no_fla and not args.smoke and not args.gla_interleave:
         with tempfile.TemporaryDirectory() as tmp:
             fla = run_fla(gla_shape, iters * 2, reps, tmp)
         if "skipped" in fla:
@@ -586,7 +718,8 @@ def main(argv: list[str] | None = None) -> int:
         t.rows[-1]["note"] += "; SMOKE: tiny shapes, times meaningless"
 
     if "gla" in parts:
-        bench_gla(t, gla_shape, iters * 2, reps, fla, args.gla_variants, results)
+        bench_gla(t, gla_shape, iters * 2, reps, fla, args.gla_variants, results,
+                  interleave=args.gla_interleave and not args.no_fla and not args.smoke)
     params = None
     if "train" in parts:
         from laplace_jax.model import param_shapes
@@ -595,7 +728,8 @@ def main(argv: list[str] | None = None) -> int:
         tokens = cfg.train.batch_tokens if args.smoke else ARTICLE_TOKENS_PER_STEP
         try:
             params = bench_train(t, cfg, micro_batches, 3 if not args.smoke else iters, reps if args.smoke else 5,
-                                 out_dir, args.profile, results, n_flop, PEAK_BF16, tokens)
+                                 out_dir, args.profile, results, n_flop, PEAK_BF16, tokens,
+                                 n_devices=args.devices)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             t.add("train", "train section", None, "", f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")

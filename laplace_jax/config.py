@@ -49,6 +49,8 @@ class ModelConfig:
     remat: str = "none"              # none | full | dots | dots_no_batch
     gla_unroll: bool = False         # unroll the GLA chunk loop completely (Neuron)
     gla_hand_off: str = "scan"       # chunk-to-chunk state: scan (lax.scan) | matmul (one contraction)
+    dense_output: str = "compute"    # hidden projections' output dtype: compute (f32 accumulate,
+                                     # written in compute_dtype, as bf16 autocast) | float32; logits stay f32
 
     @property
     def chunk_size(self) -> int:
@@ -156,6 +158,8 @@ def validate(cfg: Config) -> Config:
     _check(m.t_max >= m.t_min, f"model.t_max={m.t_max} < model.t_min={m.t_min}: t_max must be >= t_min")
     _check(m.remat in _REMAT, f"model.remat={m.remat!r}: choose one of {_REMAT}")
     _check(m.gla_hand_off in ("scan", "matmul"), f"model.gla_hand_off={m.gla_hand_off!r}: choose 'scan' or 'matmul'")
+    _check(m.dense_output in ("compute", "float32"),
+           f"model.dense_output={m.dense_output!r}: choose 'compute' or 'float32'")
     _check(m.compute_dtype in _DTYPES, f"model.compute_dtype={m.compute_dtype!r}: choose one of {_DTYPES}")
     o = cfg.optim
     _check(o.lr > 0, f"optim.lr={o.lr}: must be positive")

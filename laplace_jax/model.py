@@ -154,9 +154,13 @@ def _split_qkvg(cfg: ModelConfig, qkvg: Array) -> tuple[Array, Array, Array, Arr
             v.reshape(*lead, H, V), g.reshape(*lead, H, V))
 
 
-def _dense(x: Array, w: Array, cdt: Any) -> Array:
-    """x [..., n] @ w [n, m] with inputs in the compute dtype, float32 out (bf16 backward too)."""
-    return mixed_matmul("...n,nm->...m", x.astype(cdt), w.astype(cdt))
+def _dense(x: Array, w: Array, cfg: ModelConfig, out_dtype: Any = None) -> Array:
+    """x [..., n] @ w [n, m], inputs in the compute dtype, float32 accumulation (backward too);
+    output in `out_dtype`, default per `cfg.dense_output` (compute dtype or float32)."""
+    cdt = jnp.dtype(cfg.compute_dtype)
+    if out_dtype is None:
+        out_dtype = cdt if cfg.dense_output == "compute" else F32
+    return mixed_matmul("...n,nm->...m", x.astype(cdt), w.astype(cdt), jnp.dtype(out_dtype))
 
 
 def _mix_out(cfg: ModelConfig, lp: Params, q: Array, k: Array, v: Array, g: Array, o: Array) -> Array:
@@ -166,15 +170,15 @@ def _mix_out(cfg: ModelConfig, lp: Params, q: Array, k: Array, v: Array, g: Arra
     o = o.astype(F32) + gate * v.astype(F32)
     o = _head_rms_norm(o, lp["head_norm"], cfg.norm_eps) * jax.nn.silu(g.astype(F32))
     o = o.reshape(*o.shape[:-2], cfg.d_model).astype(cdt)
-    return _dense(o, lp["w_out"], cdt)
+    return _dense(o, lp["w_out"], cfg).astype(F32)
 
 
 def _ffn(cfg: ModelConfig, lp: Params, x: Array) -> Array:
     cdt = jnp.dtype(cfg.compute_dtype)
     z = _layer_norm(x, lp["ffn_norm"], cfg.norm_eps).astype(cdt)
-    a, b = jnp.split(_dense(z, lp["w_12"], cdt), 2, axis=-1)
+    a, b = jnp.split(_dense(z, lp["w_12"], cfg).astype(F32), 2, axis=-1)
     h = (jax.nn.silu(a) * b).astype(cdt)
-    return _dense(h, lp["w_3"], cdt)
+    return _dense(h, lp["w_3"], cfg).astype(F32)
 
 
 def _conv_seq(cfg: ModelConfig, lp: Params, xn: Array, window: Array | None) -> tuple[Array, Array]:
@@ -195,7 +199,7 @@ def _layer_seq(cfg: ModelConfig, lp: Params, x: Array, g_gamma: Array, chunking:
     cdt = jnp.dtype(cfg.compute_dtype)
     u, window = _conv_seq(cfg, lp, _layer_norm(x, lp["attn_norm"], cfg.norm_eps),
                           None if st is None else st["conv"])
-    qkvg = _dense(u.astype(cdt), lp["w_qkvg"], cdt).astype(cdt)
+    qkvg = _dense(u, lp["w_qkvg"], cfg).astype(cdt)
     q, k, v, g = _split_qkvg(cfg, qkvg)
     o, gla_state = chunk_simple_gla(q, k, v, g_gamma, unroll=cfg.gla_unroll, hand_off=cfg.gla_hand_off,
                                     initial_state=None if st is None else st["gla"], **chunking)
@@ -211,7 +215,7 @@ def _layer_step(cfg: ModelConfig, lp: Params, x: Array, g_gamma: Array, st: dict
     xn = _layer_norm(x, lp["attn_norm"], cfg.norm_eps)
     window = jnp.concatenate([st["conv"][:, 1:], xn[:, None].astype(F32)], axis=1)
     u = jax.nn.silu(jnp.einsum("bcd,cd->bd", window, lp["conv_w"]) + lp["conv_b"])
-    qkvg = _dense(u.astype(cdt), lp["w_qkvg"], cdt).astype(cdt)
+    qkvg = _dense(u, lp["w_qkvg"], cfg).astype(cdt)
     q, k, v, g = _split_qkvg(cfg, qkvg)
     o, gla_state = simple_gla_step(q, k, v, g_gamma, st["gla"])
     x = x + _mix_out(cfg, lp, q, k, v, g, o)
@@ -237,6 +241,27 @@ def _over_layers(cfg: ModelConfig, layer_fn, layers: Params, x: Array, per_layer
     return x, jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
 
+def _over_layers_in_place(cfg: ModelConfig, layer_fn, layers: Params, x: Array, state: Any):
+    """Like `_over_layers` for decoding, but the whole [L, ...] state rides in the scan carry and
+    each layer's slice is read and written back with dynamic (update-)slices. A scan's per-layer
+    outputs go to a new [L, ...] buffer, so the xs/ys form holds the state twice and copies it
+    every step; a carried buffer is updated in place (with the state argument donated)."""
+    if not cfg.scan_layers:
+        return _over_layers(cfg, layer_fn, layers, x, state)
+
+    def body(carry, xs):
+        x, state = carry
+        lp, i = xs
+        st = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), state)
+        x, st = layer_fn(lp, x, st)
+        state = jax.tree.map(lambda a, s: jax.lax.dynamic_update_index_in_dim(a, s.astype(a.dtype), i, 0),
+                             state, st)
+        return (x, state), None
+
+    (x, state), _ = jax.lax.scan(body, (x, state), (layers, jnp.arange(cfg.num_layers)))
+    return x, state
+
+
 def _embed(params: Params, tokens: Array) -> Array:
     return jnp.take(params["embed"], tokens, axis=0).astype(F32)
 
@@ -244,7 +269,7 @@ def _embed(params: Params, tokens: Array) -> Array:
 def _logits(cfg: ModelConfig, params: Params, x: Array) -> Array:
     cdt = jnp.dtype(cfg.compute_dtype)
     xn = _layer_norm(x, params["final_norm"], cfg.norm_eps).astype(cdt)
-    return _dense(xn, params["lm_head"], cdt)
+    return _dense(xn, params["lm_head"], cfg, F32)     # logits stay float32 for the loss / sampling
 
 
 def _run_seq(params: Params, tokens: Array, cfg: ModelConfig, chunking: dict[str, Any],
@@ -271,12 +296,14 @@ def prefill(params: Params, tokens: Array, cfg: ModelConfig, state: dict[str, Ar
     return _run_seq(params, tokens, cfg, {"chunk_size": min(cfg.chunk_size, tokens.shape[1])}, state)
 
 
-def decode_step(params: Params, token: Array, state: dict[str, Array], cfg: ModelConfig
-                ) -> tuple[Array, dict[str, Array]]:
-    """One token per sequence. token: [B] int; state from `prefill`/`init_state` → (logits [B, vocab], state)."""
+def decode_step(params: Params, token: Array, state: dict[str, Array], cfg: ModelConfig, *,
+                state_in_place: bool = True) -> tuple[Array, dict[str, Array]]:
+    """One token per sequence. token: [B] int; state from `prefill`/`init_state` → (logits [B, vocab], state).
+    `state_in_place=False` scans the state as per-layer inputs/outputs instead (kept for benchmarks)."""
     g_gamma = decay_log(cfg)
     fn = lambda lp, x, st: _layer_step(cfg, lp, x, g_gamma, st)  # noqa: E731
-    x, state = _over_layers(cfg, fn, params["layers"], _embed(params, token), state)
+    over = _over_layers_in_place if state_in_place else _over_layers
+    x, state = over(cfg, fn, params["layers"], _embed(params, token), state)
     return _logits(cfg, params, x), state
 
 

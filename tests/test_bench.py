@@ -17,21 +17,38 @@ def test_bench_smoke(tmp_path):
     p = subprocess.run([sys.executable, "-m", "laplace_jax.bench", "--smoke", "--profile", "--out", str(tmp_path)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    md = (tmp_path / "bench.md").read_text()
-    assert md in p.stdout
-    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
-    by_item = {r["item"]: r for r in rows}
     want = ["ours chunk_simple_gla (num_chunks=16, hand_off=scan) fwd+bwd",
             "ours chunk_simple_gla (num_chunks=16, hand_off=matmul) fwd+bwd", "micro-step fwd+bwd B=2 x 64",
-            "optimizer update (clip + Muon NS5 x96 + AdamW)", "training throughput",
-            "MFU (6N FLOP/token, 989 TFLOP/s)", "decode_step width 1", "decode_step width 4"]
+            "micro-step fwd+bwd B=2 dense_output=float32 x 64",
+            "optimizer update (clip + Muon NS5 x96 + AdamW), 1 device", "training throughput, 1 device(s)",
+            "MFU per device (6N FLOP/token, 989 TFLOP/s datasheet)", "decode_step width 1", "decode_step width 4",
+            "decode_step width 4 [state as scan xs/ys, before]", "prefill [8, 64] (state out)"]
+    _check_rows(tmp_path, p.stdout, want)
+    step = next(r for r in json.loads((tmp_path / "bench.json").read_text())["rows"]
+                if r["item"].startswith("step of "))
+    assert step["value"] > 0 and "x micro(best, 2 seq)" in step["item"]
+
+
+def _check_rows(out_dir, stdout, want):
+    md = (out_dir / "bench.md").read_text()
+    assert md in stdout
+    by_item = {r["item"]: r for r in json.loads((out_dir / "bench.json").read_text())["rows"]}
     for item in want:
         assert item in by_item, f"missing row {item!r}:\n{md}"
         v = by_item[item]["value"]
         assert v is not None and np.isfinite(v) and v > 0, f"row {item!r} has value {v!r}:\n{md}"
         assert f"| {item} |" in md
-    step = next(r for r in rows if r["item"].startswith("step of "))
-    assert step["value"] > 0 and "x micro(B=2)" in step["item"]
+
+
+def test_bench_smoke_fsdp_two_devices(tmp_path):
+    """The 2-device train rows (FSDP mesh + all_to_all Muon) run on two emulated CPU devices."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    p = subprocess.run([sys.executable, "-m", "laplace_jax.bench", "--smoke", "--parts", "train", "--devices", "2",
+                        "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    _check_rows(tmp_path, p.stdout, ["micro-step fwd+bwd B=2 per device x 2 x 64",
+                                     "training throughput, 2 device(s)"])
+    assert "FSDP over 2 devices" in p.stdout and "failed" not in p.stdout
 
 
 def test_gla_experimental_form_matches_reference():

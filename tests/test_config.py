@@ -35,6 +35,7 @@ def test_dotted_overrides_reach_every_section():
     (["model.qkvg_dim=9216"], "set model.qkvg_dim=384"),
     (["optim.lr=abc"], "optim.lr='abc': expected a number"),
     (["model.remat=some"], "model.remat='some': choose one of"),
+    (["model.dense_output=bf16"], "model.dense_output='bf16': choose 'compute' or 'float32'"),
     (["steps"], "expected key=value"),
 ])
 def test_errors_are_one_line_and_name_the_fix(overrides, message):

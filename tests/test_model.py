@@ -117,6 +117,25 @@ def test_bf16_compute_close_to_float32(params, tokens):
     assert rel(out, ref) < 5e-2
 
 
+def test_bf16_dense_output_close_to_float32_output(params, tokens):
+    """dense_output=compute writes the hidden projections in bf16 (as autocast does): values and
+    gradients stay within bf16 rounding of the float32-output form."""
+    import dataclasses
+    bf = dataclasses.replace(CFG, compute_dtype="bfloat16")
+    ref_cfg = dataclasses.replace(bf, dense_output="float32")
+    assert rel(_forward(params, tokens, bf), _forward(params, tokens, ref_cfg)) < 2e-2
+    assert rel(_grad_qkvg(params, tokens, bf), _grad_qkvg(params, tokens, ref_cfg)) < 5e-2
+
+
+def test_decode_state_in_place_equals_scanned_state(params, tokens):
+    _, state = _prefill(params, tokens[:, :9], CFG)
+    a_logits, a_state = decode_step(params, tokens[:, 9], state, CFG)
+    b_logits, b_state = decode_step(params, tokens[:, 9], state, CFG, state_in_place=False)
+    np.testing.assert_allclose(np.asarray(a_logits), np.asarray(b_logits), rtol=1e-6, atol=1e-6)
+    for x, y in zip(jax.tree.leaves(a_state), jax.tree.leaves(b_state)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-6)
+
+
 def test_training_forward_rejects_unchunkable_length(params, tokens):
     with pytest.raises(ValueError, match="num_chunks"):
         forward(params, tokens[:, :30], CFG)

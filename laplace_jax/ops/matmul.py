@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,22 +18,25 @@ def _transposed_spec(spec: str) -> tuple[str, str]:
     return f"{out},{b}->{a}", f"{out},{a}->{b}"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def mixed_matmul(spec: str, a: Array, b: Array) -> Array:
-    """einsum with float32 accumulation and output; the backward runs in the inputs' dtype.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def mixed_matmul(spec: str, a: Array, b: Array, out_dtype: Any = F32) -> Array:
+    """einsum with float32 accumulation, output in `out_dtype` (positional; default float32); the
+    backward runs in the inputs' dtype.
 
     Plain autodiff would hand the float32 cotangent to the transposed products, which then run as
     float32 (TF32 on GPUs) matmuls at about half the bf16 rate. Here the cotangent is cast to the
     input dtype first (a no-op for float32 inputs), as bf16 autocast training does; the transposed
-    products still accumulate in float32."""
-    return jnp.einsum(spec, a, b, preferred_element_type=F32)
+    products still accumulate in float32. A bf16 `out_dtype` is what autocast writes: the GEMM still
+    accumulates in float32 and rounds once on output, halving the bytes written, saved for the
+    backward and read by the next op."""
+    return jnp.einsum(spec, a, b, preferred_element_type=out_dtype)
 
 
-def _mm_fwd(spec, a, b):
-    return mixed_matmul(spec, a, b), (a, b)
+def _mm_fwd(spec, a, b, out_dtype):
+    return mixed_matmul(spec, a, b, out_dtype), (a, b)
 
 
-def _mm_bwd(spec, res, g):
+def _mm_bwd(spec, out_dtype, res, g):
     a, b = res
     sa, sb = _transposed_spec(spec)
     g = g.astype(jnp.promote_types(a.dtype, b.dtype))
