@@ -335,15 +335,6 @@ def bench_gla(t: Table, shape: dict[str, int], iters: int, reps: int, fla: dict[
 
 # ----------------------------------------------------------------------------- training step
 
-def _loss_fn(params, batch, mcfg):
-    """= laplace_jax.train.loss_fn (not imported: train.py imports grain via laplace_jax.data)."""
-    import optax
-
-    from laplace_jax.model import forward
-    logits = forward(params, batch["inputs"], mcfg)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
-
-
 def _profile_summary(fn: Callable[[], Any], sync, trace_dir: Path, top: int = 25) -> list[tuple[str, float, int]]:
     """Trace `fn` once; return (kernel name, total ms, count) over the GPU planes, largest first."""
     import jax
@@ -401,13 +392,14 @@ def _profile_rows(t: Table, section: str, label: str, call, sync, out_dir: Path 
 
 
 def parse_variants(spec: str) -> list[tuple[int, list[str]]]:
-    """'8,16,4:remat=none:scan_layers=false' → [(8, []), (16, []), (4, ['model.remat=none', ...])]."""
+    """'8,16,4:remat=none:train.grad_sync=micro' → [(8, []), (16, []), (4, ['model.remat=none',
+    'train.grad_sync=micro'])]: keys without a section are model keys."""
     out = []
     for item in (x.strip() for x in spec.split(",")):
         if not item:
             continue
         b, *kv = item.split(":")
-        out.append((int(b), [f"model.{x}" if not x.startswith("model.") else x for x in kv]))
+        out.append((int(b), [x if "." in x.split("=")[0] else f"model.{x}" for x in kv]))
     return out
 
 
@@ -423,14 +415,18 @@ def _variant_tag(B: int, overrides: list[str]) -> str:
 def bench_train(t: Table, cfg, variants: list[tuple[int, list[str]]], iters: int, reps: int, out_dir: Path | None,
                 profile: bool, results: dict[str, Any], n_params_flop: float, peak: float,
                 tokens_per_step: int, n_devices: int = 1) -> Any:
-    """Time one micro-step per variant (B sequences per device, model overrides), then the update.
-    With `n_devices` > 1: FSDP over a (data=1, fsdp=n) mesh and the distributed (all_to_all) Muon,
-    exactly as `laplace_jax.train` shards them; B is per device."""
+    """Per variant (B sequences per device, config overrides), time `grad_accum.accumulate` -- the
+    real training step's forward/backward -- over A=1 and A=2 micro-batches: per micro-step =
+    t(2) - t(1), per-step fixed cost (the weight gather and gradient reduce-scatter with
+    train.grad_sync=step) = t(1) - per micro-step. Then the optimizer update. A step of
+    `tokens_per_step` = fixed + accum x per micro-step + update. With `n_devices` > 1: FSDP over a
+    (data=1, fsdp=n) mesh and the distributed (all_to_all) Muon, as `laplace_jax.train` runs them."""
     import jax
     import jax.numpy as jnp
     import optax
 
     from laplace_jax.config import MeshConfig
+    from laplace_jax.grad_accum import accumulate
     from laplace_jax.model import init_params
     from laplace_jax.optim import build_optimizer
     from laplace_jax.sharding import (batch_sharding, make_mesh, opt_state_shardings, param_shardings,
@@ -447,124 +443,122 @@ def bench_train(t: Table, cfg, variants: list[tuple[int, list[str]]], iters: int
         tx, _ = build_optimizer(cfg.optim, shapes, mesh=mesh)
         o_sh = opt_state_shardings(jax.eval_shape(tx.init, shapes), mesh)
         opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
-        acc_sh = (replicated(mesh), p_sh)
-        b_sh = {"inputs": batch_sharding(mesh, 2), "targets": batch_sharding(mesh, 2)}
-        jit_kw = dict(in_shardings=(p_sh, acc_sh, b_sh), out_shardings=acc_sh)
-        ujit_kw = dict(in_shardings=(p_sh, o_sh, acc_sh), out_shardings=(p_sh, o_sh, replicated(mesh)))
+        rep = replicated(mesh)
+        b_sh = batch_sharding(mesh, 3, batch_axis=1)
+        jit_kw = dict(in_shardings=(p_sh, b_sh), out_shardings=(rep, p_sh))
+        ujit_kw = dict(in_shardings=(p_sh, o_sh, (rep, p_sh)), out_shardings=(p_sh, o_sh))
     else:
         params = init_params(mcfg, jax.random.PRNGKey(0))
         tx, _ = build_optimizer(cfg.optim, params)           # mesh=None: single-device Muon
         opt_state = jax.jit(tx.init)(params)
-        acc_sh, jit_kw, ujit_kw = None, {}, {}
+        b_sh, jit_kw, ujit_kw = None, {}, {}
     jax.block_until_ready(opt_state)
     n_real = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
     where = f"FSDP over {n_devices} devices (mesh data=1 x fsdp={n_devices}), all_to_all Muon" if mesh else "1 device"
     t.add("train", "parameters (from the real tree)", float(n_real), "", f"6N uses N={n_params_flop:.4e}; "
           f"{where}; init {time.perf_counter() - t0:.1f} s")
 
-    def update(params, opt_state, acc, n):
-        loss, grads = acc
-        grads = jax.tree.map(lambda g: g / n, grads)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss / n
-
-    def zeros_acc():
-        z = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        return jax.device_put(z, acc_sh) if acc_sh is not None else z
-
     rng = np.random.default_rng(0)
     devs = jax.devices()[:n_devices]
-    best: dict[str, tuple[int, float, int]] = {}   # "best" -> (B, micro-step s, accum), largest tok/s
-    acc = None
+    best: dict[str, tuple[int, float, float, int]] = {}   # (B global, per micro s, fixed s, accum)
+    grads = None
     for i, (B, overrides) in enumerate(variants):
-        vcfg = _variant_cfg(cfg, overrides).model
+        vcfg = _variant_cfg(cfg, overrides)
         Bg = B * n_devices                         # sequences per micro-step over all devices
         accum = max(1, tokens_per_step // (Bg * S))
         tag = _variant_tag(B, overrides) + (f" per device x {n_devices}" if n_devices > 1 else "")
+        sync = f", grad_sync={vcfg.train.grad_sync}" if n_devices > 1 else ""
         if best and time.perf_counter() - T_START > SKIP_EXTRA_AFTER_S:
-            t.add("train", f"micro-step fwd+bwd {tag}", None, "ms",
+            t.add("train", f"micro-step fwd+bwd {tag} x {S}", None, "ms",
                   f"skipped: bench past {SKIP_EXTRA_AFTER_S:.0f} s (--skip-extra-after)")
             continue
         try:
-            grad_fn = jax.value_and_grad(_loss_fn)
+            acc_j = jax.jit(lambda p, b, vcfg=vcfg: accumulate(p, b, vcfg, mesh), **jit_kw)
+            timed: dict[int, float] = {}
+            for A in (1, 2):
+                toks = rng.integers(0, mcfg.vocab_size, (A, Bg, S + 1), dtype=np.int32)
+                batch = {"inputs": jnp.asarray(toks[..., :-1]), "targets": jnp.asarray(toks[..., 1:])}
+                if b_sh is not None:
+                    batch = jax.device_put(batch, b_sh)
+                grads = None
+                gc.collect()
+                tc = time.perf_counter()
+                compiled = acc_j.lower(params, batch).compile()
+                ct = time.perf_counter() - tc
+                box = {}
 
-            def micro(params, acc, batch, vcfg=vcfg):
-                loss, grads = grad_fn(params, batch, vcfg)
-                return jax.tree.map(jnp.add, acc, (loss, grads))
-            micro_j = jax.jit(micro, donate_argnums=(1,), **jit_kw)
-            toks = rng.integers(0, mcfg.vocab_size, (Bg, S + 1), dtype=np.int32)
-            batch = {"inputs": jnp.asarray(toks[:, :-1]), "targets": jnp.asarray(toks[:, 1:])}
-            if mesh is not None:
-                batch = jax.device_put(batch, b_sh)
-            acc = None
-            gc.collect()
-            acc = zeros_acc()
-            tc = time.perf_counter()
-            compiled = micro_j.lower(params, acc, batch).compile()
-            ct = time.perf_counter() - tc
-            mem = None
-            try:
-                ma = compiled.memory_analysis()
-                mem = (ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes
-                       - ma.alias_size_in_bytes) / 2**30
-            except Exception:  # noqa: BLE001
-                pass
-            state = {"acc": acc}
-
-            def call():
-                state["acc"] = compiled(params, state["acc"], batch)
-                return state["acc"]
-            med, ts = _median_time(call, jax.block_until_ready, iters, reps, warmup=2)
-            loss0 = float(state["acc"][0])
-            results.setdefault("train", {})[f"micro_{tag}"] = med
-            note = f"{Bg * S / med:,.0f} tok/s in the micro-step alone; compile {ct:.0f} s; "
-            note += f"XLA memory estimate {mem:.1f} GiB per device; " if mem is not None else ""
-            t.add("train", f"micro-step fwd+bwd {tag} x {S}", med * 1e3, "ms", note + _spread(ts))
+                def call():
+                    box["out"] = compiled(params, batch)
+                    return box["out"]
+                med, ts = _median_time(call, jax.block_until_ready, max(1, iters // A), reps, warmup=1)
+                timed[A] = med
+                if A == 1:
+                    mem = None
+                    try:
+                        ma = compiled.memory_analysis()
+                        mem = (ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes
+                               - ma.alias_size_in_bytes) / 2**30
+                    except Exception:  # noqa: BLE001
+                        pass
+                    t.add("train", f"accumulate A=1 {tag} x {S}{sync}", med * 1e3, "ms",
+                          f"compile {ct:.0f} s; " + (f"XLA memory estimate {mem:.1f} GiB per device; " if mem else "")
+                          + _spread(ts))
+                    if profile and i == 0:
+                        _profile_rows(t, "train", f"accumulate A=1 {tag}", call, jax.block_until_ready, out_dir,
+                                      f"profile_train_{n_devices}dev.txt")
+                loss0 = float(box["out"][0])
+                grads = box["out"]
+                del batch, compiled, box
+            per_micro, fixed = timed[2] - timed[1], 2 * timed[1] - timed[2]
+            results.setdefault("train", {})[f"micro_{tag}"] = dict(per_micro=per_micro, fixed=fixed, A1=timed[1],
+                                                                   A2=timed[2])
+            t.add("train", f"micro-step fwd+bwd {tag} x {S}", per_micro * 1e3, "ms",
+                  f"= t(A=2) {timed[2] * 1e3:.1f} - t(A=1) {timed[1] * 1e3:.1f} ms; {Bg * S / per_micro:,.0f} tok/s "
+                  f"in micro-steps; per-step fixed cost {fixed * 1e3:.1f} ms{sync}")
             if not math.isfinite(loss0):
                 t.add("train", f"micro-step {tag} loss", loss0, "", "NON-FINITE")
             peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devs]
             if all(p is not None for p in peaks):
                 t.add("train", f"peak device memory after {tag} (cumulative)", max(peaks) / 2**30,
-                      "GiB", "memory_stats peak_bytes_in_use, largest device (params+opt state+grad acc+activations)")
-            if Bg * S / med > (best["best"][0] * S / best["best"][1] if best else 0):
-                best["best"] = (Bg, med, accum)
-            if profile and i == 0:
-                _profile_rows(t, "train", f"one micro-step {tag}", call, jax.block_until_ready, out_dir,
-                              f"profile_train_{n_devices}dev.txt")
-            acc = state["acc"]
-            del batch, compiled
+                      "GiB", "memory_stats peak_bytes_in_use, largest device (params+opt state+grads+activations)")
+            if not best or fixed + accum * per_micro < best["best"][2] + best["best"][3] * best["best"][1]:
+                best["best"] = (Bg, per_micro, max(fixed, 0.0), accum)
         except Exception as e:  # noqa: BLE001
             msg = str(e).splitlines()[0][:200]
             t.add("train", f"micro-step fwd+bwd {tag} x {S}", None, "ms", f"failed: {type(e).__name__}: {msg}")
-            acc = None
+            grads = None
             gc.collect()
     if not best:
         return params
-    if acc is None:
-        acc = zeros_acc()
     try:
-        accum0 = best["best"][2]
-        update_j = jax.jit(lambda p, o, a: update(p, o, a, accum0), donate_argnums=(0, 1), **ujit_kw)
+        if grads is None:
+            grads = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+
+        def update(params, opt_state, acc):
+            updates, opt_state = tx.update(acc[1], opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        update_j = jax.jit(update, donate_argnums=(0, 1), **ujit_kw)
         state = {"p": params, "o": opt_state}
         tc = time.perf_counter()
-        update_j.lower(params, opt_state, acc).compile()
+        update_j.lower(params, opt_state, grads).compile()
         ct = time.perf_counter() - tc
 
         def ucall():
-            state["p"], state["o"], loss = update_j(state["p"], state["o"], acc)
+            state["p"], state["o"] = update_j(state["p"], state["o"], grads)
             return state["p"]
         med, ts = _median_time(ucall, jax.block_until_ready, max(1, iters // 2), reps, warmup=2)
         params, opt_state = state["p"], state["o"]
         results["train"]["update"] = med
         t.add("train", f"optimizer update (clip + Muon NS5 x96 + AdamW), {where}", med * 1e3, "ms",
               f"compile {ct:.0f} s; {_spread(ts)}")
-        Bg, t_micro, accum = best["best"]
-        step = accum * t_micro + med
+        Bg, per_micro, fixed, accum = best["best"]
+        step = fixed + accum * per_micro + med
         tok_s = tokens_per_step / step
         mfu = tok_s * 6 * n_params_flop / peak / n_devices
         results["train"]["best"] = dict(B_global=Bg, step_s=step, tok_s=tok_s, mfu=mfu, devices=n_devices)
-        t.add("train", f"step of {tokens_per_step:,} tokens = {accum} x micro(best, {Bg} seq) + 1 update", step, "s",
-              "computed from the two medians above")
+        t.add("train", f"step of {tokens_per_step:,} tokens = fixed + {accum} x micro({Bg} seq) + 1 update", step, "s",
+              "computed from the medians above")
         t.add("train", f"training throughput, {n_devices} device(s)", tok_s, "tok/s",
               "target >= 28,000 on one H200; >= 1.9x one GPU on two")
         t.add("train", "MFU per device (6N FLOP/token, 989 TFLOP/s datasheet)", 100 * mfu, "%",
@@ -575,7 +569,7 @@ def bench_train(t: Table, cfg, variants: list[tuple[int, list[str]]], iters: int
                   "GiB", f"largest device, of {peaks[0].get('bytes_limit', 0) / 2**30:.0f} GiB usable by JAX")
     except Exception as e:  # noqa: BLE001
         t.add("train", "optimizer update", None, "ms", f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    del opt_state, acc
+    del opt_state, grads
     gc.collect()
     return params
 
@@ -691,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config("laplace_tiny", ["model.vocab_size=512", "model.seq_len=64", "model.remat=dots_no_batch",
                                            "model.compute_dtype=bfloat16", "train.batch_tokens=256"])
         gla_shape, widths = GLA_SMOKE, [1, 4]
-        micro_batches = parse_variants("2,2:dense_output=float32")
+        micro_batches = parse_variants(args.micro_batches if args.micro_batches != "8,16" else "2,2:dense_output=float32")
         iters, reps = 2, args.reps or 3
         n_flop = None
     else:

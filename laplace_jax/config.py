@@ -111,6 +111,8 @@ class TrainConfig:
     keep_ckpts: int = 3
     async_ckpt: bool = True
     peak_flops: float = 0.0          # per device, for MFU; 0 = guess from the platform
+    grad_sync: str = "step"          # step: gather weights / reduce-scatter grads once per step |
+                                     # micro: per micro-step (plain SPMD); laplace_jax/grad_accum.py
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,7 @@ def validate(cfg: Config) -> Config:
     _check(o.muon_comm_dtype in _DTYPES,
            f"optim.muon_comm_dtype={o.muon_comm_dtype!r}: choose one of {_DTYPES}")
     t = cfg.train
+    _check(t.grad_sync in ("step", "micro"), f"train.grad_sync={t.grad_sync!r}: choose 'step' or 'micro'")
     for name in ("batch_tokens", "micro_batch", "steps", "log_every", "eval_every", "eval_batches",
                  "ckpt_every", "keep_ckpts"):
         _check(getattr(t, name) > 0, f"train.{name}={getattr(t, name)}: must be positive")

@@ -33,8 +33,9 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
+from jax.sharding import Mesh  # noqa: E402
+
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import yaml  # noqa: E402
@@ -44,7 +45,8 @@ from laplace_jax.config import DEFAULT_CONFIG, Config, ConfigError, config_to_di
 from laplace_jax.data.corpus import DataError  # noqa: E402
 from laplace_jax.data.pipeline import make_eval_batches, make_train_iterator, resolve_data_dir  # noqa: E402
 from laplace_jax.info import gla_flop_per_token  # noqa: E402
-from laplace_jax.model import forward, init_params, param_shapes  # noqa: E402
+from laplace_jax.grad_accum import accumulate, loss_fn  # noqa: E402,F401  (loss_fn: the eval loss)
+from laplace_jax.model import init_params, param_shapes  # noqa: E402
 from laplace_jax.optim import build_optimizer, make_schedule  # noqa: E402
 from laplace_jax.neuron import host_init_params, host_key, is_neuron, neuron_mode, use_rbg_prng  # noqa: E402
 from laplace_jax.platform import select_platform  # noqa: E402
@@ -61,32 +63,12 @@ class TrainError(RuntimeError):
 
 # ----------------------------------------------------------------------------- pure step functions
 
-def loss_fn(params: Any, batch: dict[str, jax.Array], cfg: Config) -> jax.Array:
-    """Mean next-token cross entropy (float32). batch: inputs/targets int32 [B, S]."""
-    logits = forward(params, batch["inputs"], cfg.model)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
-
-
-def make_train_step(cfg: Config, tx: optax.GradientTransformation) -> Callable:
-    """(params, opt_state, batch [A, M, S]) → (params, opt_state, metrics); A micro-batches accumulated."""
+def make_train_step(cfg: Config, tx: optax.GradientTransformation, mesh: Mesh | None = None) -> Callable:
+    """(params, opt_state, batch [A, M, S]) → (params, opt_state, metrics); A micro-batches accumulated
+    (`laplace_jax.grad_accum`: with a mesh, weights gathered once per step by default)."""
 
     def step(params, opt_state, batch):
-        grad_fn = jax.value_and_grad(loss_fn)
-
-        def micro(acc, mb):
-            loss, grads = grad_fn(params, mb, cfg)
-            return jax.tree.map(jnp.add, acc, (loss, grads)), None
-
-        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        if cfg.neuron_mode:  # a Python loop: no while loop in the graph (a length-1 scan keeps one)
-            acc = zeros
-            for a in range(batch["inputs"].shape[0]):
-                acc, _ = micro(acc, jax.tree.map(lambda x, a=a: x[a], batch))
-            loss, grads = acc
-        else:
-            (loss, grads), _ = jax.lax.scan(micro, zeros, batch)
-        n = batch["inputs"].shape[0]
-        loss, grads = loss / n, jax.tree.map(lambda g: g / n, grads)
+        loss, grads = accumulate(params, batch, cfg, mesh)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
@@ -239,7 +221,7 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
-    step_fn = jax.jit(make_train_step(cfg, tx), in_shardings=(p_sh, o_sh, b_sh),
+    step_fn = jax.jit(make_train_step(cfg, tx, mesh), in_shardings=(p_sh, o_sh, b_sh),
                       out_shardings=(p_sh, o_sh, rep), donate_argnums=(0, 1))
     eval_sh = batch_sharding(mesh, 2)
     eval_fn = jax.jit(lambda p, b: loss_fn(p, b, cfg), in_shardings=(p_sh, eval_sh), out_shardings=rep)

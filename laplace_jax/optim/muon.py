@@ -70,7 +70,8 @@ def orthogonalize_stack(x: jax.Array, steps: int = 5, eps: float = 1e-7) -> jax.
 
 # ----------------------------------------------------------------------------- shard_map compat
 
-def _shard_map(f, mesh, in_specs, out_specs):
+def shard_map_compat(f, mesh, in_specs, out_specs):
+    """`jax.shard_map` (or the experimental one on older jax) without the replication check."""
     sm = getattr(jax, "shard_map", None)
     if sm is None:  # older jax
         from jax.experimental.shard_map import shard_map as sm  # type: ignore
@@ -205,7 +206,7 @@ def orthogonalize(stacks: dict[str, jax.Array], *, ns_steps: int = 5, eps: float
             body = functools.partial(_local_body, ns_steps, eps, cdt)
         spec = P(None, fsdp_axis, None)
         specs = tuple(spec for _ in xs)
-        outs = list(_shard_map(body, mesh, specs, specs)(*xs))
+        outs = list(shard_map_compat(body, mesh, specs, specs)(*xs))
     return {k: o.astype(jnp.float32) for k, o in zip(names, outs)}
 
 
