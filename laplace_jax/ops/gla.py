@@ -31,11 +31,16 @@ def _zero_state(q: Array, v: Array) -> Array:
 def simple_gla_step(q: Array, k: Array, v: Array, g_gamma: Array, state: Array, *,
                     scale: float | None = None) -> tuple[Array, Array]:
     """One decode step. q, k: [B, H, K]; v: [B, H, V]; state: [B, H, K, V] f32 → (o [B, H, V], state)."""
-    decay = jnp.exp(g_gamma.astype(F32))[None, :, None, None]
-    kv = k.astype(F32)[..., :, None] * v.astype(F32)[..., None, :]
-    state = decay * state + kv
-    o = _scale(q, scale) * jnp.einsum("bhk,bhkv->bhv", q.astype(F32), state)
-    return o.astype(v.dtype), state
+    lam = jnp.exp(g_gamma.astype(F32))
+    out_dtype = v.dtype
+    q, k, v = q.astype(F32), k.astype(F32), v.astype(F32)
+    # qᵀS' = λ qᵀS + (q·k) vᵀ: the read-out uses the incoming state, so it can share the one pass over
+    # S with the update instead of re-reading S' after it is written (decode is state-bandwidth bound).
+    # HIGHEST: a float32 read-out of a float32 state (no TF32 on GPUs); it is bandwidth-bound anyway.
+    o = (lam[None, :, None] * jnp.einsum("bhk,bhkv->bhv", q, state, precision=jax.lax.Precision.HIGHEST)
+         + jnp.sum(q * k, -1, keepdims=True) * v)
+    state = lam[None, :, None, None] * state + k[..., :, None] * v[..., None, :]
+    return (_scale(q, scale) * o).astype(out_dtype), state
 
 
 def recurrent_simple_gla(q: Array, k: Array, v: Array, g_gamma: Array, *, scale: float | None = None,
