@@ -23,8 +23,6 @@ import sys
 
 # Let the 3B step use most of the card (JAX preallocates 75 % by default). Harmless on CPU.
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
-if "--gla-interleave" in sys.argv:   # torch (fla) shares the card with JAX in this process
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
@@ -221,31 +219,10 @@ def _gla_fwd_bwd(gla_fn: Callable, g):
     return jax.jit(f)
 
 
-def _fla_in_process(x: dict[str, np.ndarray]):
-    """fla fwd+bwd as a zero-argument call in this process (for interleaved timing), its sync, and
-    its outputs on batch row 0 as float32 NumPy."""
-    import torch
-    from fla.ops.simple_gla import chunk_simple_gla as fla_gla
-
-    q, k, v, do = (torch.tensor(x[n], device="cuda").to(torch.bfloat16) for n in ("q", "k", "v", "do"))
-    for a in (q, k, v):
-        a.requires_grad_(True)
-    g = torch.tensor(x["g"], device="cuda")
-
-    def step():
-        o, _ = fla_gla(q, k, v, g_gamma=g)
-        return (o, *torch.autograd.grad(o, (q, k, v), do))
-    outs = step()
-    torch.cuda.synchronize()
-    ref = {n: a[:1].detach().float().cpu().numpy() for n, a in zip(("o", "dq", "dk", "dv"), outs)}
-    return step, (lambda _: torch.cuda.synchronize()), ref, torch.__version__
-
-
 def bench_gla(t: Table, shape: dict[str, int], iters: int, reps: int, fla: dict[str, Any] | None,
-              variants: bool, results: dict[str, Any], interleave: bool = False) -> None:
-    """Ours (both hand-offs) against fla. `interleave`: fla runs in this process and every
-    repetition times fla and each of ours back to back, so clock/thermal drift hits all alike;
-    the ratio is then also given as the median of the per-repetition ratios."""
+              variants: bool, results: dict[str, Any]) -> None:
+    """Ours (both hand-offs, and the experimental forms with `variants`) against fla's figures
+    from the child process (`run_fla`), on the same inputs."""
     import jax
     import jax.numpy as jnp
 
@@ -268,18 +245,6 @@ def bench_gla(t: Table, shape: dict[str, int], iters: int, reps: int, fla: dict[
             lambda q, k, v, g: gla_headmajor(q, k, v, g, num_chunks=16)
     calls: dict[str, tuple[Callable, Callable]] = {}
     fla_ref = fla.get("out") if fla else None
-    fla_note = ""
-    if interleave:
-        try:
-            step, sync, fla_ref, tv = _fla_in_process(x)
-            calls["fla"] = (step, sync)
-            fla_note = f"torch {tv}, same process, interleaved"
-        except Exception as e:  # noqa: BLE001
-            print(f"[bench] in-process fla failed ({type(e).__name__}: {str(e)[:160]}); "
-                  f"running it in a child process instead", flush=True)
-            with tempfile.TemporaryDirectory() as tmp:
-                fla = run_fla(shape, iters, reps, tmp)
-            fla_ref = fla.get("out")
     compiled: dict[str, Callable] = {}
     for name, fn in forms.items():
         try:
@@ -289,23 +254,12 @@ def bench_gla(t: Table, shape: dict[str, int], iters: int, reps: int, fla: dict[
             calls[name] = ((lambda f: lambda: f(q, k, v, do))(f), jax.block_until_ready)
         except Exception as e:  # noqa: BLE001
             t.add("gla", name + " fwd+bwd", None, "ms", f"failed: {type(e).__name__}: {str(e)[:160]}")
-    times: dict[str, list[float]] = {n: [] for n in calls}
-    for n, (c, sync) in calls.items():          # warm-up (compile, autotune) before any timing
-        _median_time(c, sync, 1, 1, warmup=3)
-    if interleave:
-        for _ in range(reps):
-            for n, (c, sync) in calls.items():
-                times[n] += _median_time(c, sync, iters, 1, warmup=0)[1]
-    else:
-        for n, (c, sync) in calls.items():
-            times[n] = _median_time(c, sync, iters, reps, warmup=0)[1]
+    times: dict[str, list[float]] = {}
+    for n, (c, sync) in calls.items():
+        times[n] = _median_time(c, sync, iters, reps, warmup=3)[1]
     fla_s = None
-    if "fla" in times:
-        fla_s = statistics.median(times["fla"])
-        fla_times = times["fla"]
-        t.add("gla", "fla chunk_simple_gla(g_gamma) fwd+bwd", fla_s * 1e3, "ms", f"{fla_note}, {_spread(fla_times)}")
-    elif fla and "median_s" in fla:
-        fla_s, fla_times = fla["median_s"], None
+    if fla and "median_s" in fla:
+        fla_s = fla["median_s"]
         t.add("gla", "fla chunk_simple_gla(g_gamma) fwd+bwd", fla_s * 1e3, "ms",
               f"torch {fla['torch']}, child process, {_spread(fla['times'])}")
     elif fla:
@@ -326,10 +280,6 @@ def bench_gla(t: Table, shape: dict[str, int], iters: int, reps: int, fla: dict[
         if fla_s and name.startswith("ours chunk_simple_gla"):
             h = name.split("hand_off=")[1].rstrip(")")
             note = "target <= 1.0"
-            if "fla" in times:
-                per_rep = [a / b for a, b in zip(ts, times["fla"])]
-                note += (f"; median of the {len(per_rep)} per-repetition ratios {statistics.median(per_rep):.3f} "
-                         f"(min {min(per_rep):.3f} / max {max(per_rep):.3f})")
             t.add("gla", f"ratio ours/fla (same run), hand_off={h}", med / fla_s, "x", note)
 
 
@@ -656,9 +606,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="train variants: comma list of B[:key=value...] (model overrides), e.g. "
                          "'8,16,4:remat=none'; B per device; the largest tok/s is used for the step")
     ap.add_argument("--devices", type=int, default=1, help="train over this many devices (FSDP mesh, distributed Muon)")
-    ap.add_argument("--gla-interleave", action="store_true",
-                    help="run fla in this process and interleave its repetitions with ours (needs "
-                         "XLA_PYTHON_CLIENT_PREALLOCATE=false, set automatically when only gla runs)")
     ap.add_argument("--decode-widths", default="1,64,256")
     ap.add_argument("--gla-variants", action="store_true", help="also time the experimental form (plain autodiff backward)")
     ap.add_argument("--no-fla", action="store_true", help="skip the fla (torch/Triton) comparison")
@@ -697,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
         n_flop = N_PARAMS_3B if args.config == "laplace_3b" else None
 
     fla = None
-    if "gla" in parts and not args.no_fla and not args.smoke and not args.gla_interleave:
+    if "gla" in parts and not args.no_fla and not args.smoke:
         with tempfile.TemporaryDirectory() as tmp:
             fla = run_fla(gla_shape, iters * 2, reps, tmp)
         if "skipped" in fla:
@@ -712,8 +659,7 @@ def main(argv: list[str] | None = None) -> int:
         t.rows[-1]["note"] += "; SMOKE: tiny shapes, times meaningless"
 
     if "gla" in parts:
-        bench_gla(t, gla_shape, iters * 2, reps, fla, args.gla_variants, results,
-                  interleave=args.gla_interleave and not args.no_fla and not args.smoke)
+        bench_gla(t, gla_shape, iters * 2, reps, fla, args.gla_variants, results)
     params = None
     if "train" in parts:
         from laplace_jax.model import param_shapes
