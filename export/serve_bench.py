@@ -402,8 +402,11 @@ def main(argv=None) -> int:
             rows.add(f"decode cost per output token, {length}-token prompts ({a.long_requests} seqs)",
                      1e3 * cost[length], "ms")
         s, l_ = cost[a.prompt_len], cost[a.long_prompt_len]
-        if s > 0:
-            rows.add(f"decode cost change {a.long_prompt_len} vs {a.prompt_len} prompt", 100 * (l_ / s - 1), "%")
+        name = f"decode cost change {a.long_prompt_len} vs {a.prompt_len} prompt"
+        if s > 0 and l_ > 0:
+            rows.add(name, 100 * (l_ / s - 1), "%")
+        else:   # tA <= tH: the decode tail is smaller than the run-to-run spread of the prefill
+            rows.add(name, "n/a: tA <= tH, decode below the timing noise of the prefill", "")
         results["long"] = {str(k): v for k, v in cost.items()}
 
     # f. table
