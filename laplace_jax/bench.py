@@ -528,10 +528,11 @@ def bench_train(t: Table, cfg, variants: list[tuple[int, list[str]]], iters: int
 
 def bench_decode(t: Table, cfg, params, widths: list[int], iters: int, reps: int,
                  results: dict[str, Any], profile: bool = False, out_dir: Path | None = None,
-                 unscanned: bool = False, prefill_batch: int = 8) -> None:
+                 unscanned: bool = False, prefill_batch: int = 8, long_prompts: tuple[int, ...] = ()) -> None:
     """decode_step at each width (bf16 weights, fp32 state, argmax fed back); at the widest width
     also the old scanned-state form (`state_in_place=False`) and, with `profile`, a trace; then
-    `prefill` of [prefill_batch, seq_len] prompts (the other half of serving)."""
+    `prefill` of [prefill_batch, seq_len] prompts (the other half of serving). `long_prompts`: the
+    decode step at the narrowest width continuing the state of prompts of each length."""
     import jax
     import jax.numpy as jnp
 
@@ -583,6 +584,28 @@ def bench_decode(t: Table, cfg, params, widths: list[int], iters: int, reps: int
         except Exception as e:  # noqa: BLE001
             t.add("decode", label, None, "ms/step",
                   f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    for L in long_prompts:   # decode cost per output token after prompts of different lengths
+        w = min(widths)
+        try:
+            toks = jnp.asarray(np.random.default_rng(L).integers(0, mcfg.vocab_size, (w, L), np.int32))
+            pf_state = jax.jit(lambda p, x: prefill(p, x, mcfg)[1])   # logits unused: XLA drops them
+            box = {"tok": toks[:, -1], "st": pf_state(p16, toks)}
+            fn = steps[""]
+
+            def call():
+                box["tok"], box["st"] = fn(p16, box["tok"], box["st"])
+                return box["tok"]
+            med, ts = _median_time(call, jax.block_until_ready, iters, reps, warmup=2)
+            results.setdefault("decode", {})[f"after_prompt_{L}"] = med
+            base = results["decode"].get(f"after_prompt_{long_prompts[0]}")
+            t.add("decode", f"decode_step width {w} after a {L}-token prompt", med * 1e3, "ms/step",
+                  f"{w / med:,.0f} out tok/s; {_spread(ts)}"
+                  + (f"; {100 * (med / base - 1):+.2f} % vs {long_prompts[0]}" if L != long_prompts[0] else ""))
+            del box
+            gc.collect()
+        except Exception as e:  # noqa: BLE001
+            t.add("decode", f"decode_step after a {L}-token prompt", None, "ms/step",
+                  f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
     try:
         S = mcfg.seq_len
         pf = jax.jit(lambda p, x: prefill(p, x, mcfg)[1]["gla"][:, :, 0, 0, 0])   # keep the state, drop logits
@@ -607,6 +630,8 @@ def main(argv: list[str] | None = None) -> int:
                          "'8,16,4:remat=none'; B per device; the largest tok/s is used for the step")
     ap.add_argument("--devices", type=int, default=1, help="train over this many devices (FSDP mesh, distributed Muon)")
     ap.add_argument("--decode-widths", default="1,64,256")
+    ap.add_argument("--long-prompts", default="",
+                    help="e.g. 2048,8192: time decode steps continuing prompts of these lengths")
     ap.add_argument("--gla-variants", action="store_true", help="also time the experimental form (plain autodiff backward)")
     ap.add_argument("--no-fla", action="store_true", help="skip the fla (torch/Triton) comparison")
     ap.add_argument("--decode-unscanned", action="store_true",
@@ -677,8 +702,9 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
     if "decode" in parts:
         try:
+            longs = tuple(int(x) for x in args.long_prompts.split(",") if x) or ((16, 48) if args.smoke else ())
             bench_decode(t, cfg, params, widths, 20 if not args.smoke else iters, reps, results, args.profile, out_dir,
-                         args.decode_unscanned)
+                         args.decode_unscanned, long_prompts=longs)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             t.add("decode", "decode section", None, "", f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")

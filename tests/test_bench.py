@@ -22,7 +22,8 @@ def test_bench_smoke(tmp_path):
             "micro-step fwd+bwd B=2 dense_output=float32 x 64",
             "optimizer update (clip + Muon NS5 x96 + AdamW), 1 device", "training throughput, 1 device(s)",
             "MFU per device (6N FLOP/token, 989 TFLOP/s datasheet)", "decode_step width 1", "decode_step width 4",
-            "decode_step width 4 [state as scan xs/ys, before]", "prefill [8, 64] (state out)"]
+            "decode_step width 4 [state as scan xs/ys, before]", "prefill [8, 64] (state out)",
+            "decode_step width 1 after a 16-token prompt", "decode_step width 1 after a 48-token prompt"]
     _check_rows(tmp_path, p.stdout, want)
     step = next(r for r in json.loads((tmp_path / "bench.json").read_text())["rows"]
                 if r["item"].startswith("step of "))
