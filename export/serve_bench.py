@@ -275,7 +275,7 @@ def parse_args(argv=None):
     a = ap.parse_args(argv)
     full = dict(requests=1280, prompt_len=2048, new_tokens=256, long_prompt_len=8192, long_requests=128,
                 max_num_batched_tokens=16384, dtype="bfloat16")
-    smoke = dict(requests=4, prompt_len=24, new_tokens=8, long_prompt_len=48, long_requests=2,
+    smoke = dict(requests=4, prompt_len=24, new_tokens=16, long_prompt_len=48, long_requests=2,
                  max_num_batched_tokens=256, dtype="float32")
     for k, v in (smoke if a.smoke else full).items():
         if getattr(a, k) is None:
