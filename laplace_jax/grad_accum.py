@@ -27,11 +27,10 @@ from jax.sharding import Mesh, PartitionSpec as P
 from laplace_jax.config import Config
 from laplace_jax.model import forward
 from laplace_jax.optim.muon import shard_map_compat
-from laplace_jax.optim.optimizer import is_muon_path
+from laplace_jax.optim.optimizer import is_muon_path, key_name
 from laplace_jax.sharding import BATCH_AXES, DATA, FSDP, param_shardings
 
 F32 = jnp.float32
-GRAD_SYNC = ("step", "micro")
 
 
 def loss_fn(params: Any, batch: dict[str, jax.Array], cfg: Config) -> jax.Array:
@@ -58,8 +57,7 @@ def _sum_micro(params: Any, batch: dict[str, jax.Array], cfg: Config) -> tuple[j
 
 
 def _gathered_in_compute_dtype(path: tuple[Any, ...]) -> bool:
-    name = str(getattr(path[-1], "key", path[-1]))
-    return is_muon_path(path) or name == "lm_head"
+    return is_muon_path(path) or key_name(path[-1]) == "lm_head"
 
 
 def _fsdp_axis(spec: P) -> int | None:

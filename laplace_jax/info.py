@@ -23,7 +23,7 @@ import numpy as np
 
 from laplace_jax.config import Config, ConfigError, load_config
 from laplace_jax.model import init_state, param_shapes
-from laplace_jax.optim.optimizer import is_muon_path
+from laplace_jax.optim.optimizer import is_muon_path, key_name
 from laplace_jax.optim.plan import muon_traffic_bytes
 
 KV_CONTEXT = 8192
@@ -91,7 +91,7 @@ def model_report(cfg: Config, ranks: int = 64) -> dict[str, Any]:
 
 def _our_traffic(muon: list[tuple[Any, Any]], ranks: int, cfg: Config) -> float:
     """Per-rank bytes of our two all_to_alls, from the optimizer's own placement plan."""
-    kinds = {str(getattr(p[-1], "key", p[-1])): tuple(s.shape) for p, s in muon}
+    kinds = {key_name(p[-1]): tuple(s.shape) for p, s in muon}
     plan = muon_traffic_bytes(kinds, ranks, cfg.optim.muon_comm_dtype, cfg.optim.ns_steps)
     return float(plan["all_to_all_bytes"])
 

@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from laplace_jax.config import MeshConfig
-from laplace_jax.optim.optimizer import is_muon_path
+from laplace_jax.optim.optimizer import is_muon_path, key_name
 
 DATA, FSDP = "data", "fsdp"
 BATCH_AXES = (DATA, FSDP)
@@ -46,7 +46,7 @@ def _fsdp_size(mesh: Mesh) -> int:
 
 def param_spec(path: tuple[Any, ...], shape: tuple[int, ...], fsdp: int) -> P:
     """The PartitionSpec of one parameter, from its name and shape."""
-    name = str(getattr(path[-1], "key", path[-1]))
+    name = key_name(path[-1])
     axis = None
     if is_muon_path(path) and len(shape) == 3:
         axis = 1

@@ -14,13 +14,14 @@ MUON, ADAMW = "muon", "adamw"
 DECAYED_ADAMW = ("embed", "lm_head")   # AdamW weight decay only on these (top-level) leaves
 
 
-def _key(p) -> str:
+def key_name(p) -> str:
+    """The name of one pytree path entry (dict key, attribute or index)."""
     return str(getattr(p, "key", getattr(p, "name", getattr(p, "idx", p))))
 
 
 def is_muon_path(path: tuple[Any, ...]) -> bool:
     """The Muon group: every hidden matrix, named ``w_*`` (docs/PARAMS.md). The one place the rule lives."""
-    return bool(path) and _key(path[-1]).startswith("w_")
+    return bool(path) and key_name(path[-1]).startswith("w_")
 
 
 def label_params(params: Any) -> Any:
@@ -30,7 +31,7 @@ def label_params(params: Any) -> Any:
 
 def _adamw_decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: bool(path) and _key(path[-1]) in DECAYED_ADAMW, params)
+        lambda path, _: bool(path) and key_name(path[-1]) in DECAYED_ADAMW, params)
 
 
 def make_schedule(optim_cfg: Any) -> optax.Schedule:
@@ -82,7 +83,7 @@ def assignment_report(params: Any, *, comm: str = "", comm_dtype: str = "",
                       fsdp_ranks: int = 1) -> OptimizerReport:
     rep = OptimizerReport(comm=comm, comm_dtype=comm_dtype, fsdp_ranks=fsdp_ranks)
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name = "/".join(_key(p) for p in path)
+        name = "/".join(key_name(p) for p in path)
         if is_muon_path(path):
             rep.muon_matrices += int(x.shape[0]) if len(x.shape) == 3 else 1
             rep.muon_params += _size(x)
@@ -91,7 +92,7 @@ def assignment_report(params: Any, *, comm: str = "", comm_dtype: str = "",
             rep.adamw_tensors += 1
             rep.adamw_params += _size(x)
             rep.adamw_leaves.append(name)
-            if path and _key(path[-1]) in DECAYED_ADAMW:
+            if path and key_name(path[-1]) in DECAYED_ADAMW:
                 rep.adamw_decayed.append(name)
     return rep
 
