@@ -243,20 +243,6 @@ def bench_gla(t: Table, shape: dict[str, int], iters: int, reps: int, fla: dict[
             lambda q, k, v, g: gla_headmajor(q, k, v, g, num_chunks=16, bf16_bwd=True)
         forms["variant: two products, plain-autodiff backward (num_chunks=16)"] = \
             lambda q, k, v, g: gla_headmajor(q, k, v, g, num_chunks=16)
-    calls: dict[str, tuple[Callable, Callable]] = {}
-    fla_ref = fla.get("out") if fla else None
-    compiled: dict[str, Callable] = {}
-    for name, fn in forms.items():
-        try:
-            f = _gla_fwd_bwd(fn, g)
-            jax.block_until_ready(f(q, k, v, do))
-            compiled[name] = f
-            calls[name] = ((lambda f: lambda: f(q, k, v, do))(f), jax.block_until_ready)
-        except Exception as e:  # noqa: BLE001
-            t.add("gla", name + " fwd+bwd", None, "ms", f"failed: {type(e).__name__}: {str(e)[:160]}")
-    times: dict[str, list[float]] = {}
-    for n, (c, sync) in calls.items():
-        times[n] = _median_time(c, sync, iters, reps, warmup=3)[1]
     fla_s = None
     if fla and "median_s" in fla:
         fla_s = fla["median_s"]
@@ -264,23 +250,25 @@ def bench_gla(t: Table, shape: dict[str, int], iters: int, reps: int, fla: dict[
               f"torch {fla['torch']}, child process, {_spread(fla['times'])}")
     elif fla:
         t.add("gla", "fla chunk_simple_gla(g_gamma) fwd+bwd", None, "ms", fla.get("skipped", ""))
-    for name, f in compiled.items():
-        ts = times[name]
-        med = statistics.median(ts)
-        note = _spread(ts) + f"; ~{3 * flop_fwd / med / 1e12:.0f} TFLOP/s (3x fwd FLOP)"
-        if fla_ref is not None and name.startswith("ours chunk_simple_gla"):
-            errs = []
-            for n, a in zip(("o", "dq", "dk", "dv"), f(q, k, v, do)):
-                a = np.asarray(a[:1].astype(jnp.float32), np.float64)
-                ref = fla_ref[n].astype(np.float64)
-                errs.append(f"{n} {np.linalg.norm(a - ref) / np.linalg.norm(ref):.1e}")
-            note += "; rel.err vs fla " + ", ".join(errs)
-        t.add("gla", name + " fwd+bwd", med * 1e3, "ms", note)
-        results.setdefault("gla", {})[name] = med
-        if fla_s and name.startswith("ours chunk_simple_gla"):
-            h = name.split("hand_off=")[1].rstrip(")")
-            note = "target <= 1.0"
-            t.add("gla", f"ratio ours/fla (same run), hand_off={h}", med / fla_s, "x", note)
+    for name, fn in forms.items():
+        try:
+            f = _gla_fwd_bwd(fn, g)
+            med, ts = _median_time(lambda: f(q, k, v, do), jax.block_until_ready, iters, reps, warmup=3)
+            note = _spread(ts) + f"; ~{3 * flop_fwd / med / 1e12:.0f} TFLOP/s (3x fwd FLOP)"
+            if fla and "out" in fla and name.startswith("ours chunk_simple_gla"):
+                errs = []
+                for n, a in zip(("o", "dq", "dk", "dv"), f(q, k, v, do)):
+                    a = np.asarray(a[:1].astype(jnp.float32), np.float64)
+                    ref = fla["out"][n].astype(np.float64)
+                    errs.append(f"{n} {np.linalg.norm(a - ref) / np.linalg.norm(ref):.1e}")
+                note += "; rel.err vs fla " + ", ".join(errs)
+            t.add("gla", name + " fwd+bwd", med * 1e3, "ms", note)
+            results.setdefault("gla", {})[name] = med
+            if fla_s and name.startswith("ours chunk_simple_gla"):
+                t.add("gla", f"ratio ours/fla (same run), hand_off={name.split('hand_off=')[1].rstrip(')')}",
+                      med / fla_s, "x", "target <= 1.0")
+        except Exception as e:  # noqa: BLE001
+            t.add("gla", name + " fwd+bwd", None, "ms", f"failed: {type(e).__name__}: {str(e)[:160]}")
 
 
 # ----------------------------------------------------------------------------- training step
@@ -552,6 +540,15 @@ def bench_decode(t: Table, cfg, params, widths: list[int], iters: int, reps: int
             return jnp.argmax(logits, -1).astype(jnp.int32), st
         return jax.jit(step, donate_argnums=(2,))
 
+    def fed_back(fn, tok, st):
+        """A zero-argument call: one decode step from the held state, its argmax fed to the next."""
+        box = {"tok": tok, "st": st}
+
+        def call():
+            box["tok"], box["st"] = fn(p16, box["tok"], box["st"])
+            return box["tok"]
+        return call
+
     t.add("decode", "state bytes per sequence (fp32)", float(state_bytes_per_sequence(mcfg)), "B", "")
     steps = {"": make_step(mcfg), " [state as scan xs/ys, before]": make_step(mcfg, in_place=False),
              " [scan_layers=false]": make_step(dataclasses.replace(mcfg, scan_layers=False))}
@@ -562,11 +559,7 @@ def bench_decode(t: Table, cfg, params, widths: list[int], iters: int, reps: int
         fn = steps[kind]
         label = f"decode_step width {w}{kind}"
         try:
-            box = {"tok": jnp.zeros((w,), jnp.int32), "st": init_state(mcfg, w)}
-
-            def call():
-                box["tok"], box["st"] = fn(p16, box["tok"], box["st"])
-                return box["tok"]
+            call = fed_back(fn, jnp.zeros((w,), jnp.int32), init_state(mcfg, w))
             tc = time.perf_counter()
             jax.block_until_ready(call())
             ct = time.perf_counter() - tc
@@ -579,29 +572,24 @@ def bench_decode(t: Table, cfg, params, widths: list[int], iters: int, reps: int
             if profile and w == wide and kind == "":
                 _profile_rows(t, "decode", f"one decode step width {w}", call, jax.block_until_ready, out_dir,
                               "profile_decode.txt")
-            del box
+            del call
             gc.collect()
         except Exception as e:  # noqa: BLE001
             t.add("decode", label, None, "ms/step",
                   f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    pf_state = jax.jit(lambda p, x: prefill(p, x, mcfg)[1])   # logits unused: XLA drops them
     for L in long_prompts:   # decode cost per output token after prompts of different lengths
         w = min(widths)
         try:
             toks = jnp.asarray(np.random.default_rng(L).integers(0, mcfg.vocab_size, (w, L), np.int32))
-            pf_state = jax.jit(lambda p, x: prefill(p, x, mcfg)[1])   # logits unused: XLA drops them
-            box = {"tok": toks[:, -1], "st": pf_state(p16, toks)}
-            fn = steps[""]
-
-            def call():
-                box["tok"], box["st"] = fn(p16, box["tok"], box["st"])
-                return box["tok"]
+            call = fed_back(steps[""], toks[:, -1], pf_state(p16, toks))
             med, ts = _median_time(call, jax.block_until_ready, iters, reps, warmup=2)
             results.setdefault("decode", {})[f"after_prompt_{L}"] = med
             base = results["decode"].get(f"after_prompt_{long_prompts[0]}")
             t.add("decode", f"decode_step width {w} after a {L}-token prompt", med * 1e3, "ms/step",
                   f"{w / med:,.0f} out tok/s; {_spread(ts)}"
                   + (f"; {100 * (med / base - 1):+.2f} % vs {long_prompts[0]}" if L != long_prompts[0] else ""))
-            del box
+            del call
             gc.collect()
         except Exception as e:  # noqa: BLE001
             t.add("decode", f"decode_step after a {L}-token prompt", None, "ms/step",
