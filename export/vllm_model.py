@@ -31,7 +31,7 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from export.torch_model import (LaplaceConfig, LaplaceMixerWeights, _Norm, check_state_dict,
-                                layer_norm, mixer_post)
+                                layer_norm)
 
 try:  # CUDA decode kernel (export/gla_triton.py); None where triton is missing (CPU installs)
     from export import gla_triton as _gla_triton
@@ -135,16 +135,11 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
     def _decode(self, xn, conv_pool, gla_pool, sl, keep):
         """One token per row: conv window and GLA state read from / written to the pool at slots sl."""
         if _gla_triton is not None and _gla_triton.available(xn):
-            cs = torch.where(keep.view(-1, 1, 1), conv_pool[sl], 0.0)
-            # the same conv step as LaplaceMixerWeights.forward_step; the GLA step runs in place
-            window = torch.cat([cs[:, 1:].to(xn.dtype), xn.unsqueeze(1)], dim=1)          # [B, C, D]
-            w = self.conv.weight[:, 0, :].t().to(xn.dtype)                               # [C, D]
-            u = (window * w).sum(1) + self.conv.bias.to(xn.dtype)
-            q, k, v, g = self.split(nn.functional.silu(u))
+            # forward_step with the GLA step done in place on the pool
+            q, k, v, g, window = self.step_in(xn, torch.where(keep.view(-1, 1, 1), conv_pool[sl], 0.0))
             o = _gla_triton.gla_decode_inplace(gla_pool, sl, keep, q, k, v, self.gamma)
-            o = mixer_post(q, k, v, g, o, self.aug_balance, self.head_norm, self.eps)
             conv_pool[sl] = window.to(conv_pool.dtype)
-            return self.w_out(o.reshape(o.shape[0], -1).to(xn.dtype))
+            return self.step_out(q, k, v, g, o, xn.dtype)
         cs = torch.where(keep.view(-1, 1, 1), conv_pool[sl], 0.0)
         gs = torch.where(keep.view(-1, 1, 1, 1), gla_pool[sl], 0.0)
         o, cs, gs = self.forward_step(xn, cs, gs)
