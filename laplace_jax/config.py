@@ -49,6 +49,9 @@ class ModelConfig:
     remat: str = "none"              # none | full | dots | dots_no_batch
     gla_unroll: bool = False         # unroll the GLA chunk loop completely (Neuron)
     gla_hand_off: str = "scan"       # chunk-to-chunk state: scan (lax.scan) | matmul (one contraction)
+    gla_impl: str = "auto"           # chunked GLA: auto | xla | pallas (GPU kernels, ops/gla_pallas.py). auto:
+                                     # pallas on GPUs inside per-device code (grad_sync=step), xla elsewhere:
+                                     # the kernels have no GSPMD partitioning rule (grad_accum.for_gspmd)
     dense_output: str = "compute"    # hidden projections' output dtype: compute (f32 accumulate,
                                      # written in compute_dtype, as bf16 autocast) | float32; logits stay f32
 
@@ -160,6 +163,8 @@ def validate(cfg: Config) -> Config:
     _check(m.t_max >= m.t_min, f"model.t_max={m.t_max} < model.t_min={m.t_min}: t_max must be >= t_min")
     _check(m.remat in _REMAT, f"model.remat={m.remat!r}: choose one of {_REMAT}")
     _check(m.gla_hand_off in ("scan", "matmul"), f"model.gla_hand_off={m.gla_hand_off!r}: choose 'scan' or 'matmul'")
+    _check(m.gla_impl in ("auto", "xla", "pallas"),
+           f"model.gla_impl={m.gla_impl!r}: choose 'auto', 'xla' or 'pallas'")
     _check(m.dense_output in ("compute", "float32"),
            f"model.dense_output={m.dense_output!r}: choose 'compute' or 'float32'")
     _check(m.compute_dtype in _DTYPES, f"model.compute_dtype={m.compute_dtype!r}: choose one of {_DTYPES}")
@@ -177,6 +182,9 @@ def validate(cfg: Config) -> Config:
            f"optim.muon_comm_dtype={o.muon_comm_dtype!r}: choose one of {_DTYPES}")
     t = cfg.train
     _check(t.grad_sync in ("step", "micro"), f"train.grad_sync={t.grad_sync!r}: choose 'step' or 'micro'")
+    _check(not (m.gla_impl == "pallas" and t.grad_sync == "micro"),
+           "model.gla_impl=pallas with train.grad_sync=micro: the Pallas GLA has no GSPMD partitioning rule; "
+           "set train.grad_sync=step or model.gla_impl=auto")
     for name in ("batch_tokens", "micro_batch", "steps", "log_every", "eval_every", "eval_batches",
                  "ckpt_every", "keep_ckpts"):
         _check(getattr(t, name) > 0, f"train.{name}={getattr(t, name)}: must be positive")

@@ -14,9 +14,12 @@ Two ways to synchronise across an FSDP mesh (`train.grad_sync`):
   the weights in the compute dtype and one float32 gradient buffer per device (6 GB + 12 GB for 3B).
 
 Both give the same numbers up to the order of float32 additions (per micro-step vs per step).
+Under plain SPMD (``"micro"`` and the eval loss) `model.gla_impl="auto"` means the XLA GLA: the Pallas
+kernels have no partitioning rule, so XLA would gather the whole batch onto every device for them.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -31,6 +34,13 @@ from laplace_jax.optim.optimizer import is_muon_path, key_name
 from laplace_jax.sharding import BATCH_AXES, DATA, FSDP, param_shardings
 
 F32 = jnp.float32
+
+
+def for_gspmd(cfg: Config) -> Config:
+    """cfg for code that XLA partitions itself (GSPMD): gla_impl "auto" → "xla" (see the module doc)."""
+    if cfg.model.gla_impl != "auto":
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, gla_impl="xla"))
 
 
 def loss_fn(params: Any, batch: dict[str, jax.Array], cfg: Config) -> jax.Array:
@@ -72,7 +82,7 @@ def accumulate(params: Any, batch: dict[str, jax.Array], cfg: Config, mesh: Mesh
     `laplace_jax.sharding.param_shardings` and the batch with M split over (data, fsdp)."""
     A = batch["inputs"].shape[0]
     if mesh is None or cfg.train.grad_sync == "micro":
-        loss, grads = _sum_micro(params, batch, cfg)
+        loss, grads = _sum_micro(params, batch, cfg if mesh is None else for_gspmd(cfg))
         return loss / A, jax.tree.map(lambda g: g / A, grads)
 
     specs = jax.tree.map(lambda s: s.spec, param_shardings(params, mesh))

@@ -45,7 +45,7 @@ from laplace_jax.config import DEFAULT_CONFIG, Config, ConfigError, config_to_di
 from laplace_jax.data.corpus import DataError  # noqa: E402
 from laplace_jax.data.pipeline import make_eval_batches, make_train_iterator, resolve_data_dir  # noqa: E402
 from laplace_jax.info import gla_flop_per_token  # noqa: E402
-from laplace_jax.grad_accum import accumulate, loss_fn  # noqa: E402,F401  (loss_fn: the eval loss)
+from laplace_jax.grad_accum import accumulate, for_gspmd, loss_fn  # noqa: E402,F401  (loss_fn: the eval loss)
 from laplace_jax.model import init_params, param_shapes  # noqa: E402
 from laplace_jax.optim import build_optimizer, make_schedule  # noqa: E402
 from laplace_jax.neuron import host_init_params, host_key, is_neuron, neuron_mode, use_rbg_prng  # noqa: E402
@@ -224,7 +224,8 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
     step_fn = jax.jit(make_train_step(cfg, tx, mesh), in_shardings=(p_sh, o_sh, b_sh),
                       out_shardings=(p_sh, o_sh, rep), donate_argnums=(0, 1))
     eval_sh = batch_sharding(mesh, 2)
-    eval_fn = jax.jit(lambda p, b: loss_fn(p, b, cfg), in_shardings=(p_sh, eval_sh), out_shardings=rep)
+    eval_cfg = for_gspmd(cfg)  # the eval batch is sharded by XLA, not inside a shard_map
+    eval_fn = jax.jit(lambda p, b: loss_fn(p, b, eval_cfg), in_shardings=(p_sh, eval_sh), out_shardings=rep)
 
     def evaluate(params) -> float:
         losses = []

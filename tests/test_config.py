@@ -36,6 +36,8 @@ def test_dotted_overrides_reach_every_section():
     (["optim.lr=abc"], "optim.lr='abc': expected a number"),
     (["model.remat=some"], "model.remat='some': choose one of"),
     (["model.dense_output=bf16"], "model.dense_output='bf16': choose 'compute' or 'float32'"),
+    (["model.gla_impl=triton"], "model.gla_impl='triton': choose 'auto', 'xla' or 'pallas'"),
+    (["model.gla_impl=pallas", "train.grad_sync=micro"], "set train.grad_sync=step or model.gla_impl=auto"),
     (["steps"], "expected key=value"),
 ])
 def test_errors_are_one_line_and_name_the_fix(overrides, message):

@@ -120,7 +120,7 @@ def _chunk_block(q: Array, k: Array, v: Array, g: Array, state: Array, scale: fl
 def chunk_simple_gla(q: Array, k: Array, v: Array, g_gamma: Array, *, num_chunks: int | None = None,
                      chunk_size: int | None = None, scale: float | None = None,
                      initial_state: Array | None = None, unroll: bool = False,
-                     hand_off: str = "scan") -> tuple[Array, Array]:
+                     hand_off: str = "scan", impl: str = "xla") -> tuple[Array, Array]:
     """Chunked Simple GLA. Returns (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] f32).
 
     Give `num_chunks` (T must divide; default 16 when neither is given) or `chunk_size` (any T: a
@@ -129,10 +129,17 @@ def chunk_simple_gla(q: Array, k: Array, v: Array, g_gamma: Array, *, num_chunks
     The chunk-to-chunk state hand-off is a `lax.scan` over the static chunks (`hand_off="scan"`),
     one float32 contraction over the chunk axis with no loop (`hand_off="matmul"`), or, with
     `unroll=True`, a Python loop with every step visible in the graph (Neuron). All agree to float32
-    rounding.
+    rounding. `impl="pallas"` runs the four Pallas kernels of `ops.gla_pallas` (GPUs; interpreted on
+    CPU) wherever the shape allows (power-of-two chunk dividing T, head dims multiples of 16) and
+    this XLA form elsewhere, e.g. for a prefill of arbitrary length; `impl="auto"` is "pallas" on
+    GPUs and "xla" on every other backend (CPU, Neuron).
     """
     if hand_off not in ("scan", "matmul"):
         raise ValueError(f"chunk_simple_gla: hand_off={hand_off!r}: choose 'scan' or 'matmul'")
+    if impl not in ("xla", "pallas", "auto"):
+        raise ValueError(f"chunk_simple_gla: impl={impl!r}: choose 'xla', 'pallas' or 'auto'")
+    if impl == "auto":
+        impl = "pallas" if jax.default_backend() == "gpu" else "xla"
     B, T, H, K = q.shape
     if num_chunks is not None and chunk_size is not None:
         raise ValueError("chunk_simple_gla: give num_chunks or chunk_size, not both")
@@ -144,6 +151,12 @@ def chunk_simple_gla(q: Array, k: Array, v: Array, g_gamma: Array, *, num_chunks
         chunk_size = T // num_chunks
     if chunk_size <= 0:
         raise ValueError(f"chunk_simple_gla: chunk_size must be positive, got {chunk_size}")
+    if impl == "pallas" and not unroll:
+        from laplace_jax.ops import gla_pallas  # Pallas is imported only where it is asked for
+
+        if gla_pallas.supported(T, K, v.shape[-1], chunk_size) is None:
+            return gla_pallas.chunk_simple_gla_pallas(q, k, v, g_gamma, chunk_size=chunk_size, scale=scale,
+                                                      initial_state=initial_state)
     g = g_gamma.astype(F32)
     sc = _scale(q, scale)
     state = _zero_state(q, v) if initial_state is None else initial_state.astype(F32)
