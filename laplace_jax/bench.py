@@ -147,8 +147,9 @@ def fla_worker(shape_json: str, out_dir: str, iters: int, reps: int) -> None:
     (Path(out_dir) / "fla.json").write_text(json.dumps(info))
 
 
-def run_fla(shape: dict[str, int], iters: int, reps: int, tmp: str) -> dict[str, Any]:
-    """Run fla in a child (its CUDA context and memory are gone before JAX takes the card)."""
+def run_fla(shape: dict[str, int], iters: int, reps: int, tmp: str, timeout: float = 300.0) -> dict[str, Any]:
+    """Run fla in a child (its CUDA context and memory are gone before JAX takes the card). On a fresh
+    machine fla's Triton autotuning compiles for minutes, hence the printed start and the timeout."""
     try:
         import importlib.util
         if importlib.util.find_spec("torch") is None or importlib.util.find_spec("fla") is None:
@@ -159,8 +160,14 @@ def run_fla(shape: dict[str, int], iters: int, reps: int, tmp: str) -> dict[str,
             "fla_worker(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))")
     env = dict(os.environ)
     env.pop("JAX_PLATFORMS", None)
-    p = subprocess.run([sys.executable, "-c", code, json.dumps(shape), tmp, str(iters), str(reps)],
-                       capture_output=True, text=True, env=env, timeout=900)
+    print(f"[bench] fla child process started (timeout {timeout:.0f} s)", flush=True)
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run([sys.executable, "-c", code, json.dumps(shape), tmp, str(iters), str(reps)],
+                           capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"skipped": f"fla child still running after {timeout:.0f} s (--fla-timeout)"}
+    print(f"[bench] fla child process done in {time.perf_counter() - t0:.0f} s", flush=True)
     if p.returncode != 0:
         tail = (p.stderr or p.stdout).strip().splitlines()[-6:]
         return {"skipped": "fla child failed: " + " | ".join(tail)}
@@ -238,6 +245,11 @@ def bench_gla(t: Table, shape: dict[str, int], iters: int, reps: int, fla: dict[
             (lambda h: lambda q, k, v, g: chunk_simple_gla(q, k, v, g, num_chunks=16, hand_off=h)[0])(h)
         for h in ("scan", "matmul")
     }
+    if jax.default_backend() == "gpu":  # the Triton kernels under a few launch settings (gla_pallas.LAUNCH)
+        from laplace_jax.ops.gla_pallas import LAUNCH, chunk_simple_gla_pallas
+        for w in dict.fromkeys((LAUNCH, (4, 4, 1), (2, 8, 1), (4, 8, 2), (8, 8, 3))):
+            forms[f"ours chunk_simple_gla (impl=pallas, warps {w[0]}/{w[1]}, stages {w[2]})"] = (
+                lambda w: lambda q, k, v, g: chunk_simple_gla_pallas(q, k, v, g, chunk_size=T // 16, launch=w)[0])(w)
     if variants:
         forms["variant: two products, bf16 backward (num_chunks=16)"] = \
             lambda q, k, v, g: gla_headmajor(q, k, v, g, num_chunks=16, bf16_bwd=True)
@@ -265,7 +277,7 @@ def bench_gla(t: Table, shape: dict[str, int], iters: int, reps: int, fla: dict[
             t.add("gla", name + " fwd+bwd", med * 1e3, "ms", note)
             results.setdefault("gla", {})[name] = med
             if fla_s and name.startswith("ours chunk_simple_gla"):
-                t.add("gla", f"ratio ours/fla (same run), hand_off={name.split('hand_off=')[1].rstrip(')')}",
+                t.add("gla", f"ratio ours/fla (same run), {name.split('(')[1].rstrip(')')}",
                       med / fla_s, "x", "target <= 1.0")
         except Exception as e:  # noqa: BLE001
             t.add("gla", name + " fwd+bwd", None, "ms", f"failed: {type(e).__name__}: {str(e)[:160]}")
@@ -622,6 +634,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="e.g. 2048,8192: time decode steps continuing prompts of these lengths")
     ap.add_argument("--gla-variants", action="store_true", help="also time the experimental form (plain autodiff backward)")
     ap.add_argument("--no-fla", action="store_true", help="skip the fla (torch/Triton) comparison")
+    ap.add_argument("--fla-timeout", type=float, default=300.0, help="seconds the fla child may take (Triton autotuning)")
     ap.add_argument("--decode-unscanned", action="store_true",
                     help="also time decode with model.scan_layers=false (a Python loop over the layers)")
     ap.add_argument("--profile", action="store_true", help="trace one train micro-step, kernel-time summary")
@@ -659,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
     fla = None
     if "gla" in parts and not args.no_fla and not args.smoke:
         with tempfile.TemporaryDirectory() as tmp:
-            fla = run_fla(gla_shape, iters * 2, reps, tmp)
+            fla = run_fla(gla_shape, iters * 2, reps, tmp, args.fla_timeout)
         if "skipped" in fla:
             print(f"[bench] fla: {fla['skipped']}", flush=True)
 
