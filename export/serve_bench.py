@@ -1,8 +1,9 @@
 """Serving benchmark of a random-weight Laplace model through unmodified vLLM (offline `LLM`).
 
     python -m export.serve_bench --out DIR [--requests 1280 --prompt-len 2048 --new-tokens 256
-        --long-prompt-len 8192 --long-requests 128 --max-num-batched-tokens 16384 --gpu-mem 0.90]
-        [--enforce-eager] [--skip-long] [--model-dir DIR] [--llm-kwargs JSON]
+        --long-prompt-len 8192 --long-requests 128 --max-num-batched-tokens 16384 --gpu-mem 0.90
+        --step-requests 64 --step-new-tokens 64 --step-repeats 2]
+        [--enforce-eager] [--skip-step] [--skip-long] [--model-dir DIR] [--llm-kwargs JSON]
     python -m export.serve_bench --smoke --out DIR      # CPU, tiny config, a few requests (the test)
 
 Phases (each prints a timestamped line; every result row is appended to DIR/serve_rows.txt as soon
@@ -17,9 +18,14 @@ d. A = requests × prompt_len prompts, new_tokens greedy tokens each (ignore_eos
    new − new//2 tokens of each request are pure decode once all prefills are done, so decode-phase
    tok/s = requests·(new − new//2)/(tA−tH), ms per decode step = (tA−tH)/(new − new//2);
    prefill tok/s = requests·len/tB;
-e. A and H at long_requests concurrency for prompt_len and long_prompt_len: decode cost per
-   output token (tA−tH)/(long_requests·(new − new//2)) for each, and their ratio;
-f. a markdown table → DIR/serve_bench.md, all numbers → DIR/serve_bench.json.
+e. per-step decode cost (the primary prompt_len → long_prompt_len answer): step_requests prompts
+   are added to llm.llm_engine and every step() is timed; steps after the last prefill that give each
+   unfinished request one token are pure decode (step_new_tokens − 1 of them); the median full-width
+   step / step_requests = ms per output token, for short, long, short, long (both rounds reported);
+f. A and H at long_requests concurrency for prompt_len and long_prompt_len: decode cost per
+   output token (tA−tH)/(long_requests·(new − new//2)) for each, and their ratio (the prefill's
+   run-to-run spread can exceed the decode tail here: phase e is the one to read);
+g. a markdown table → DIR/serve_bench.md, all numbers → DIR/serve_bench.json.
 
 vLLM finds the model through the `vllm.general_plugins` entry point of the installed project.  Where
 the project is not installed (a bare checkout on PYTHONPATH), this script writes a minimal
@@ -27,6 +33,7 @@ the project is not installed (a bare checkout on PYTHONPATH), this script writes
 vLLM's engine and worker processes find the plugin too.
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -200,7 +207,7 @@ def _pool_info(worker):
     return {"bytes": info["bytes"], "slots": slots, "decode_path": path}
 
 
-# ----------------------------------------------------------------------------- d/e. timed runs
+# ----------------------------------------------------------------------------- d/f. timed runs
 
 def make_prompts(n: int, length: int, seed: int, vocab: int = 50257) -> list:
     r = random.Random(seed)
@@ -240,6 +247,204 @@ def run_pair(llm, prompts, new_tokens: int, tag: str, with_prefill_only: bool = 
     return t_a, t_h, t_b, ids
 
 
+# ----------------------------------------------------------------------------- e. per-step decode timing
+#
+# tA − tH above is a difference of two end-to-end timings, each dominated by the prefill; the spread
+# of the prefill from run to run can exceed the whole decode tail.  Here the engine is stepped by hand
+# and every engine step is timed on its own, so the decode steps are measured without the prefill.
+
+StepCall = tuple[float, dict[str, int]]   # (s since the previous step() returned, {request: tokens so far})
+
+
+def engine_mode(llm) -> dict:
+    """How the engine steps: the client class (InprocClient: step() runs the engine in this thread;
+    SyncMPClient: step() waits for the next step's outputs from the engine-core process), whether
+    async scheduling (a batch queue of 2: step() schedules batch k+1 and then returns batch k) is on,
+    and stream_interval (outputs held back over several tokens would break the per-step count)."""
+    import vllm
+
+    eng = llm.llm_engine
+    cfg = getattr(eng, "vllm_config", None)
+    sched = getattr(cfg, "scheduler_config", None)
+    return {"vllm": vllm.__version__, "client": type(getattr(eng, "engine_core", None)).__name__,
+            "async_scheduling": getattr(sched, "async_scheduling", None),
+            "stream_interval": getattr(sched, "stream_interval", 1)}
+
+
+def _step_engine(llm):
+    """llm.llm_engine, checked for the stable step API this phase relies on."""
+    import vllm
+
+    eng = getattr(llm, "llm_engine", None)
+    missing = [m for m in ("add_request", "step", "has_unfinished_requests") if not hasattr(eng, m)]
+    if missing:
+        raise RuntimeError(f"vllm {vllm.__version__}: LLM.llm_engine lacks {missing}; per-step timing needs them")
+    if eng.has_unfinished_requests():
+        raise RuntimeError("per-step timing: the engine still has unfinished requests from an earlier phase")
+    return eng
+
+
+def drive_steps(llm, prompts: list[list[int]], new_tokens: int, tag: str) -> tuple[list[str], list[StepCall]]:
+    """Adds one greedy request per prompt, then calls step() until all are done, timing each call.
+
+    Returns (request ids, [StepCall per step() call]).  The time of a call runs from the previous
+    call's return to this one's, so the calls' times add up to the wall time of the loop whatever the
+    engine overlaps (async scheduling, a separate engine-core process)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    eng = _step_engine(llm)
+    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    alias = {}        # the id step() reports → ours (vLLM may add a suffix internally)
+    for rid, p in zip(ids, prompts):
+        got = eng.add_request(rid, TokensPrompt(prompt_token_ids=p), sp)
+        alias[rid] = rid
+        if isinstance(got, str):
+            alias[got] = rid
+    # bound on step() calls: a prefill step handles at least one request chunk, async adds empty calls
+    limit = 4 * (sum(len(p) for p in prompts) + len(prompts) * new_tokens) + 100
+    calls = []
+    try:
+        t_prev = time.perf_counter()
+        while eng.has_unfinished_requests():
+            outs = eng.step()
+            t = time.perf_counter()
+            lens = {}
+            for o in outs:
+                # an id with vLLM's random suffix ("<ours>-1a2b3c4d") where add_request returned nothing
+                rid = alias.get(o.request_id) or alias.get(o.request_id.rsplit("-", 1)[0])
+                if rid is None:
+                    raise RuntimeError(f"{tag}: step() returned an unknown request id {o.request_id!r}")
+                lens[rid] = len(o.outputs[0].token_ids)     # cumulative (the default output kind)
+            calls.append((t - t_prev, lens))
+            t_prev = t
+            if len(calls) > limit:
+                raise RuntimeError(f"{tag}: more than {limit} step() calls; the engine makes no progress")
+    except BaseException:
+        with contextlib.suppress(Exception):    # leave the engine empty for the phases after this one
+            eng.abort_request(ids)
+        raise
+    return ids, calls
+
+
+def classify_steps(calls: list[StepCall], ids: list[str], new: int) -> dict:
+    """Sorts the engine steps of one drive_steps run.
+
+    A step() call that returns no output (async scheduling: it only queued the next batch; a separate
+    engine core: a prefill chunk that ended no prompt) passes its time on to the next call that does:
+    one step = one call with output.  A step is *pure decode* when every request had its first token
+    before the step began (so no prefill chunk can be in it) and it gave exactly one token to every
+    request still unfinished.  Once the last prefill is done (step P, which gives the last request its
+    first token) every later step is pure decode and the last request needs new − 1 more tokens:
+    new − 1 pure steps, P + new − 1 steps in all.  Full width: pure steps in which all n = len(ids)
+    requests decode; step 1 gives some request its first token and the requests that started first
+    finish first, so steps P+1 .. new are full width: the ones compared across prompt lengths.
+    Minus the run's final step (below): new − P timed steps, new − 2 when P = 1."""
+    n = len(ids)
+    have = {}                                   # request → output tokens so far
+    steps, pending, empty, prefill_steps = [], 0.0, 0, None
+    for dt, lens in calls:
+        pending += dt
+        if not lens:
+            empty += 1
+            continue
+        live = [r for r in ids if have.get(r, 0) < new]
+        delta = {r: k - have.get(r, 0) for r, k in lens.items()}
+        pure = len(have) == n and set(lens) == set(live) and all(d == 1 for d in delta.values())
+        steps.append({"s": pending, "width": len(lens), "tokens": sum(delta.values()), "pure": pure})
+        have.update(lens)
+        pending = 0.0
+        if prefill_steps is None and len(have) == n:
+            prefill_steps = len(steps)
+    short = {r: have.get(r, 0) for r in ids if have.get(r, 0) != new}
+    if short:
+        raise RuntimeError(f"{len(short)} of {n} requests did not end with {new} tokens: "
+                           f"{dict(list(short.items())[:3])}")
+    full = [s for s in steps if s["pure"] and s["width"] == n]
+    if full and full[-1] is steps[-1]:
+        # the final step has no next batch to overlap with: under async scheduling its call may only
+        # collect a result already computed (vLLM 0.32 on CPU with async forced on: 1.6 ms after
+        # 8 ms steps), so it is not timed
+        full = full[:-1]
+    return {"step_calls": len(calls), "empty_calls": empty, "steps": len(steps),
+            "prefill_steps": prefill_steps, "pure_steps": sum(s["pure"] for s in steps),
+            "full_width_s": [s["s"] for s in full],
+            "total_s": sum(dt for dt, _ in calls), "tail_s": pending,
+            "log": [[round(1e3 * s["s"], 3), s["width"], s["tokens"], s["pure"]] for s in steps]}
+
+
+def step_stats(c: dict, n: int) -> dict[str, float]:
+    """Median/min/max of the full-width pure decode steps (ms), ms per output token and tok/s."""
+    ts = c["full_width_s"]
+    if not ts:
+        return {}
+    med = _median(ts)
+    return {"median_ms": 1e3 * med, "min_ms": 1e3 * min(ts), "max_ms": 1e3 * max(ts),
+            "ms_per_token": 1e3 * med / n, "tok_s": n * len(ts) / sum(ts)}
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    k = len(xs)
+    return xs[k // 2] if k % 2 else 0.5 * (xs[k // 2 - 1] + xs[k // 2])
+
+
+def step_phase(llm, a, rows: Rows) -> dict:
+    """Per-step decode cost after prompt_len and long_prompt_len prompts, step_requests at a time, in
+    the order short, long, short, long, ... (step_repeats rounds), so drift shows between rounds."""
+    mode = engine_mode(llm)
+    log(f"e. engine: {mode}")
+    if (mode["stream_interval"] or 1) > 1:
+        raise RuntimeError(f"stream_interval={mode['stream_interval']}: outputs come every few tokens, "
+                           "so tokens per step cannot be counted; run with stream_interval=1")
+    n, new = a.step_requests, a.step_new_tokens
+    short, long_ = a.prompt_len, a.long_prompt_len
+    runs, pooled, cost = [], {short: [], long_: []}, {short: [], long_: []}
+    for rep in range(1, a.step_repeats + 1):
+        for length in (short, long_):
+            what = f"e. step run {rep}: {n} x {length}, {new} new tokens"
+            log(f"{what} ...")
+            with Heartbeat(what):
+                ids, calls = drive_steps(llm, make_prompts(n, length, seed=1000 * rep + length), new,
+                                         f"step{rep}-{length}")
+            c = classify_steps(calls, ids, new)
+            st = step_stats(c, n)
+            log(f"{what}: {c['steps']} steps ({c['prefill_steps']} until every prefill was done, "
+                f"{c['pure_steps']} pure decode, {len(c['full_width_s'])} at full width), "
+                f"{c['empty_calls']} step() calls without output, {c['total_s']:.2f}s")
+            _step_rows(rows, f"step run {rep}: {n} x {length} prompt", c, st, n)
+            runs.append({"repeat": rep, "prompt_len": length, **c, **st})
+            pooled[length] += c["full_width_s"]
+            cost[length].append(st.get("ms_per_token"))
+    for rep in range(a.step_repeats):
+        s, l_ = cost[short][rep], cost[long_][rep]
+        rows.add(f"step decode cost change {long_} vs {short} prompt, run {rep + 1}",
+                 100 * (l_ / s - 1) if s and l_ else "n/a (no full-width step)", "%" if s and l_ else "")
+    # primary answer: the median over all full-width steps of all runs, per prompt length
+    per_tok = {k: 1e3 * _median(v) / n if v else None for k, v in pooled.items()}
+    for length in (short, long_):
+        rows.add(f"step decode cost per output token, {length}-token prompts ({n} seqs)",
+                 per_tok[length] if per_tok[length] else "n/a (no full-width step)", "ms")
+    s, l_ = per_tok[short], per_tok[long_]
+    rows.add(f"step decode cost change {long_} vs {short} prompt",
+             100 * (l_ / s - 1) if s and l_ else "n/a (no full-width step)", "%")
+    return {"mode": mode, "runs": runs, "ms_per_token": {str(k): v for k, v in per_tok.items()}}
+
+
+def _step_rows(rows: Rows, name: str, c: dict, st: dict, n: int) -> None:
+    rows.add(f"{name}: pure decode steps", c["pure_steps"],
+             f"steps ({len(c['full_width_s'])} at full width {n}; {c['steps']} in all)")
+    if not st:   # the prefill took as many steps as the decode: nothing decodes at full width
+        rows.add(f"{name}: decode step time", "n/a: no full-width pure decode step "
+                 f"({c['prefill_steps']} prefill steps); raise --step-new-tokens", "")
+        return
+    rows.add(f"{name}: decode step time, median", st["median_ms"],
+             f"ms (min {st['min_ms']:.4g}, max {st['max_ms']:.4g}; full-width steps)")
+    rows.add(f"{name}: decode cost per output token", st["ms_per_token"], "ms")
+    rows.add(f"{name}: decode-phase output throughput", st["tok_s"], "tok/s")
+
+
 # ----------------------------------------------------------------------------- main
 
 def parse_args(argv=None):
@@ -254,22 +459,31 @@ def parse_args(argv=None):
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--gpu-mem", type=float, default=0.90, help="gpu_memory_utilization")
     ap.add_argument("--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs")
-    ap.add_argument("--skip-long", action="store_true", help="skip phase e")
+    ap.add_argument("--step-requests", type=int, default=None,
+                    help="concurrent requests of the per-step decode timing (phase e)")
+    ap.add_argument("--step-new-tokens", type=int, default=None, help="new tokens per request in phase e")
+    ap.add_argument("--step-repeats", type=int, default=2, help="rounds of (short, long) in phase e")
+    ap.add_argument("--skip-step", action="store_true", help="skip phase e")
+    ap.add_argument("--skip-long", action="store_true", help="skip phase f")
     ap.add_argument("--model-dir", default=None, help="where to build (or reuse) the random model")
     ap.add_argument("--dtype", default=None, help="bfloat16 (default) / float32 (smoke default)")
     ap.add_argument("--llm-kwargs", default="{}", type=json.loads,
                     help='extra vllm.LLM arguments as JSON, e.g. \'{"compilation_config": '
-                         '{"max_cudagraph_capture_size": 1280}}\'')
+                         '{"max_cudagraph_capture_size": 512}}\' (default on CUDA: max_num_seqs)')
     a = ap.parse_args(argv)
     full = dict(requests=1280, prompt_len=2048, new_tokens=256, long_prompt_len=8192, long_requests=128,
-                max_num_batched_tokens=16384, dtype="bfloat16")
+                max_num_batched_tokens=16384, dtype="bfloat16", step_requests=64, step_new_tokens=64)
+    # smoke: 8 x 48 long prompts exceed the 256-token step budget, so phase e sees steps that mix
+    # prefill chunks with decodes
     smoke = dict(requests=4, prompt_len=24, new_tokens=16, long_prompt_len=48, long_requests=2,
-                 max_num_batched_tokens=256, dtype="float32")
+                 max_num_batched_tokens=256, dtype="float32", step_requests=8, step_new_tokens=8)
     for k, v in (smoke if a.smoke else full).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
     if a.new_tokens < 2:
         ap.error("--new-tokens must be >= 2 (the decode phase is new_tokens - 1 steps)")
+    if a.step_new_tokens < 2 or a.step_requests < 1 or a.step_repeats < 1:
+        ap.error("--step-new-tokens must be >= 2, --step-requests and --step-repeats >= 1")
     return a
 
 
@@ -295,7 +509,7 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available() and not a.smoke
     device = "cuda" if cuda else "cpu"
     cfg = LaplaceConfig(**TINY) if a.smoke else LaplaceConfig()
-    max_len = max(a.prompt_len, a.long_prompt_len) + a.new_tokens
+    max_len = max(a.prompt_len, a.long_prompt_len) + max(a.new_tokens, a.step_new_tokens)
     log(f"config: {'tiny (smoke)' if a.smoke else '3B'}, d_model={cfg.d_model}, layers={cfg.num_layers}, "
         f"device={device}, torch {torch.__version__}")
     work = Path(tempfile.mkdtemp(prefix="serve_bench_"))
@@ -327,13 +541,17 @@ def main(argv=None) -> int:
 
     # c. engine
     from vllm import LLM
-    max_seqs = max(a.requests, a.long_requests)
+    max_seqs = max(a.requests, a.long_requests, a.step_requests)   # phase e's requests all at once
     kw = dict(model=str(folder), dtype=a.dtype, max_num_seqs=max_seqs, max_model_len=max_len,
               max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=False, seed=0,
               enforce_eager=a.enforce_eager or a.smoke, skip_tokenizer_init=not has_tok,
               disable_log_stats=False)
     if cuda:
         kw["gpu_memory_utilization"] = a.gpu_mem
+        # vLLM captures decode CUDA graphs only up to 512 sequences by default; a Laplace decode step is
+        # many small kernels, so wider batches gain from graphs too (H200, 1,280 wide: 59.6 -> 44.9
+        # ms/step for 9 s of capture and 0.9 GiB; BENCHMARKS.md). --llm-kwargs overrides this.
+        kw["compilation_config"] = {"max_cudagraph_capture_size": max_seqs}
     kw.update(a.llm_kwargs)
     log(f"c. starting vLLM: {kw}")
     t0 = time.time()
@@ -378,12 +596,22 @@ def main(argv=None) -> int:
         rows.add("smoke: outputs equal to the torch reference", f"{same}/{len(prompts)}", "")
         results["smoke_parity"] = [same, len(prompts)]
 
-    # e. short vs long prompts at long_requests concurrency
+    # e. per-step decode cost, short vs long prompts (the primary answer to "prompt length → decode")
+    step_failed = False
+    if not a.skip_step:
+        try:
+            results["step"] = step_phase(llm, a, rows)
+        except Exception as e:  # noqa: BLE001 - keep the rows so far and run phase f
+            log(f"e. FAILED: {e!r}")
+            rows.add("step decode phase", f"FAILED: {e}", "")
+            step_failed = True
+
+    # f. short vs long prompts at long_requests concurrency (end-to-end difference tA − tH)
     if not a.skip_long:
         cost = {}
         for length in (a.prompt_len, a.long_prompt_len):
             ps = make_prompts(a.long_requests, length, seed=2 + length)
-            ta, th, _, _ = run_pair(llm, ps, new, f"e. {a.long_requests} x {length}", with_prefill_only=False)
+            ta, th, _, _ = run_pair(llm, ps, new, f"f. {a.long_requests} x {length}", with_prefill_only=False)
             rows.add(f"tA: {a.long_requests} x {length} prompt, {new} new tokens", round(ta, 3), "s")
             rows.add(f"tH: {a.long_requests} x {length} prompt, {new - tail} new tokens", round(th, 3), "s")
             cost[length] = (ta - th) / (a.long_requests * tail)
@@ -397,7 +625,7 @@ def main(argv=None) -> int:
             rows.add(name, "n/a: tA <= tH, decode below the timing noise of the prefill", "")
         results["long"] = {str(k): v for k, v in cost.items()}
 
-    # f. table
+    # g. table
     table = ["| measurement | value | unit |", "| --- | --- | --- |"]
     for r in rows.rows:
         v = r["value"]
@@ -413,7 +641,7 @@ def main(argv=None) -> int:
     if a.smoke and not a.model_dir:
         shutil.rmtree(folder, ignore_errors=True)
     bad = [r for r in rows.rows if isinstance(r["value"], float) and not math.isfinite(r["value"])]
-    return 1 if bad else 0
+    return 1 if bad or step_failed else 0
 
 
 if __name__ == "__main__":
