@@ -39,6 +39,7 @@ import math
 import os
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -379,15 +380,9 @@ def step_stats(c: dict, n: int) -> dict[str, float]:
     ts = c["full_width_s"]
     if not ts:
         return {}
-    med = _median(ts)
+    med = statistics.median(ts)
     return {"median_ms": 1e3 * med, "min_ms": 1e3 * min(ts), "max_ms": 1e3 * max(ts),
             "ms_per_token": 1e3 * med / n, "tok_s": n * len(ts) / sum(ts)}
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    k = len(xs)
-    return xs[k // 2] if k % 2 else 0.5 * (xs[k // 2 - 1] + xs[k // 2])
 
 
 def step_phase(llm, a, rows: Rows) -> dict:
@@ -422,7 +417,7 @@ def step_phase(llm, a, rows: Rows) -> dict:
         rows.add(f"step decode cost change {long_} vs {short} prompt, run {rep + 1}",
                  100 * (l_ / s - 1) if s and l_ else "n/a (no full-width step)", "%" if s and l_ else "")
     # primary answer: the median over all full-width steps of all runs, per prompt length
-    per_tok = {k: 1e3 * _median(v) / n if v else None for k, v in pooled.items()}
+    per_tok = {k: 1e3 * statistics.median(v) / n if v else None for k, v in pooled.items()}
     for length in (short, long_):
         rows.add(f"step decode cost per output token, {length}-token prompts ({n} seqs)",
                  per_tok[length] if per_tok[length] else "n/a (no full-width step)", "ms")
