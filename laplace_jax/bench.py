@@ -247,7 +247,7 @@ def bench_gla(t: Table, shape: dict[str, int], iters: int, reps: int, fla: dict[
     }
     if jax.default_backend() == "gpu":  # the Triton kernels under a few launch settings (gla_pallas.LAUNCH)
         from laplace_jax.ops.gla_pallas import LAUNCH, chunk_simple_gla_pallas
-        for w in dict.fromkeys((LAUNCH, (4, 4, 1), (2, 8, 1), (4, 8, 2), (8, 8, 3))):
+        for w in dict.fromkeys((LAUNCH, (4, 8, 2), (4, 8, 1), (4, 4, 1), (2, 8, 1), (8, 8, 3))):
             forms[f"ours chunk_simple_gla (impl=pallas, warps {w[0]}/{w[1]}, stages {w[2]})"] = (
                 lambda w: lambda q, k, v, g: chunk_simple_gla_pallas(q, k, v, g, chunk_size=T // 16, launch=w)[0])(w)
     if variants:
