@@ -201,8 +201,9 @@ def _layer_seq(cfg: ModelConfig, lp: Params, x: Array, g_gamma: Array, chunking:
                           None if st is None else st["conv"])
     qkvg = _dense(u, lp["w_qkvg"], cfg).astype(cdt)
     q, k, v, g = _split_qkvg(cfg, qkvg)
-    o, gla_state = chunk_simple_gla(q, k, v, g_gamma, unroll=cfg.gla_unroll, hand_off=cfg.gla_hand_off, impl=cfg.gla_impl,
-                                    initial_state=None if st is None else st["gla"], **chunking)
+    o, gla_state = chunk_simple_gla(q, k, v, g_gamma, unroll=cfg.gla_unroll, hand_off=cfg.gla_hand_off,
+                                    impl=cfg.gla_impl, initial_state=None if st is None else st["gla"],
+                                    **chunking)
     x = x + _mix_out(cfg, lp, q, k, v, g, o)
     x = x + _ffn(cfg, lp, x)
     return x, {"conv": window.astype(F32), "gla": gla_state}
