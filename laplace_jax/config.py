@@ -46,7 +46,7 @@ class ModelConfig:
     init_std: float = 0.02
     compute_dtype: str = "bfloat16"  # activations/matmul inputs; parameters stay float32
     scan_layers: bool = True         # scan over the [L, ...] stacked layer weights
-    remat: str = "none"              # none | full | dots | dots_no_batch
+    remat: str = "none"              # none | full | dots | dots_no_batch | dots_gla | dots_acts (model.py)
     gla_unroll: bool = False         # unroll the GLA chunk loop completely (Neuron)
     gla_hand_off: str = "scan"       # chunk-to-chunk state: scan (lax.scan) | matmul (one contraction)
     gla_impl: str = "auto"           # chunked GLA: auto | xla | pallas (GPU kernels, ops/gla_pallas.py). auto:
@@ -131,7 +131,7 @@ class Config:
     name: str = "laplace"
 
 
-_REMAT = ("none", "full", "dots", "dots_no_batch")
+_REMAT = ("none", "full", "dots", "dots_no_batch", "dots_gla", "dots_acts")
 _DTYPES = ("float32", "bfloat16", "float16")
 
 

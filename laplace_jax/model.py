@@ -18,6 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from laplace_jax.config import ModelConfig, gla_decay_log
 from laplace_jax.ops.gla import chunk_simple_gla, simple_gla_step
@@ -27,10 +28,30 @@ Array = jax.Array
 Params = dict[str, Any]
 F32 = jnp.float32
 
+# What the remat policies keep besides dot outputs, by `checkpoint_name`:
+# - a widening (float32-output) dense projection's output: it is a custom_vjp, which the dot
+#   policies cannot see (they would re-run that GEMM in the backward);
+# - the GLA's output and its chunk states (named in ops/gla_pallas.py): the backward then re-runs
+#   neither Pallas forward kernel (~10 KB per token and layer in bf16);
+# - the bf16 inputs of the next GEMMs (conv output, gated mix, FFN norm, GLU): the backward then
+#   recomputes no standalone forward work, for ~40 KB more per token and layer.
+_DENSE_OUT = ("dense_out",)
+_GLA_SAVED = ("gla_out", "gla_chunk_states")
+_GEMM_INPUTS = ("conv_out", "mix_out", "ffn_in", "glu_out")
+
+
+def _saving(policy, *names: str):
+    return jax.checkpoint_policies.save_from_both_policies(
+        policy, jax.checkpoint_policies.save_only_these_names(*names))
+
+
 _REMAT_POLICIES = {
     "full": None,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": _saving(jax.checkpoint_policies.checkpoint_dots, *_DENSE_OUT),
+    "dots_no_batch": _saving(jax.checkpoint_policies.dots_with_no_batch_dims_saveable, *_DENSE_OUT),
+    "dots_gla": _saving(jax.checkpoint_policies.dots_with_no_batch_dims_saveable, *_DENSE_OUT, *_GLA_SAVED),
+    "dots_acts": _saving(jax.checkpoint_policies.dots_with_no_batch_dims_saveable, *_DENSE_OUT, *_GLA_SAVED,
+                         *_GEMM_INPUTS),
 }
 
 
@@ -160,7 +181,10 @@ def _dense(x: Array, w: Array, cfg: ModelConfig, out_dtype: Any = None) -> Array
     cdt = jnp.dtype(cfg.compute_dtype)
     if out_dtype is None:
         out_dtype = cdt if cfg.dense_output == "compute" else F32
-    return mixed_matmul("...n,nm->...m", x.astype(cdt), w.astype(cdt), jnp.dtype(out_dtype))
+    y = mixed_matmul("...n,nm->...m", x.astype(cdt), w.astype(cdt), jnp.dtype(out_dtype))
+    # A widening matmul is a custom_vjp the dot policies cannot see; a same-dtype one is a plain dot
+    # they already keep (naming it too would keep the same value twice).
+    return checkpoint_name(y, "dense_out") if jnp.dtype(out_dtype) != cdt else y
 
 
 def _mix_out(cfg: ModelConfig, lp: Params, q: Array, k: Array, v: Array, g: Array, o: Array) -> Array:
@@ -169,15 +193,15 @@ def _mix_out(cfg: ModelConfig, lp: Params, q: Array, k: Array, v: Array, g: Arra
     gate = jax.nn.sigmoid(jnp.sum(q.astype(F32) * lp["aug_balance"] * k.astype(F32), -1, keepdims=True))
     o = o.astype(F32) + gate * v.astype(F32)
     o = _head_rms_norm(o, lp["head_norm"], cfg.norm_eps) * jax.nn.silu(g.astype(F32))
-    o = o.reshape(*o.shape[:-2], cfg.d_model).astype(cdt)
+    o = checkpoint_name(o.reshape(*o.shape[:-2], cfg.d_model).astype(cdt), "mix_out")
     return _dense(o, lp["w_out"], cfg).astype(F32)
 
 
 def _ffn(cfg: ModelConfig, lp: Params, x: Array) -> Array:
     cdt = jnp.dtype(cfg.compute_dtype)
-    z = _layer_norm(x, lp["ffn_norm"], cfg.norm_eps).astype(cdt)
+    z = checkpoint_name(_layer_norm(x, lp["ffn_norm"], cfg.norm_eps).astype(cdt), "ffn_in")
     a, b = jnp.split(_dense(z, lp["w_12"], cfg).astype(F32), 2, axis=-1)
-    h = (jax.nn.silu(a) * b).astype(cdt)
+    h = checkpoint_name((jax.nn.silu(a) * b).astype(cdt), "glu_out")
     return _dense(h, lp["w_3"], cfg).astype(F32)
 
 
@@ -199,12 +223,12 @@ def _layer_seq(cfg: ModelConfig, lp: Params, x: Array, g_gamma: Array, chunking:
     cdt = jnp.dtype(cfg.compute_dtype)
     u, window = _conv_seq(cfg, lp, _layer_norm(x, lp["attn_norm"], cfg.norm_eps),
                           None if st is None else st["conv"])
-    qkvg = _dense(u, lp["w_qkvg"], cfg).astype(cdt)
+    qkvg = _dense(checkpoint_name(u.astype(cdt), "conv_out"), lp["w_qkvg"], cfg).astype(cdt)
     q, k, v, g = _split_qkvg(cfg, qkvg)
     o, gla_state = chunk_simple_gla(q, k, v, g_gamma, unroll=cfg.gla_unroll, hand_off=cfg.gla_hand_off,
                                     impl=cfg.gla_impl, initial_state=None if st is None else st["gla"],
                                     **chunking)
-    x = x + _mix_out(cfg, lp, q, k, v, g, o)
+    x = x + _mix_out(cfg, lp, q, k, v, g, checkpoint_name(o, "gla_out"))
     x = x + _ffn(cfg, lp, x)
     return x, {"conv": window.astype(F32), "gla": gla_state}
 

@@ -90,7 +90,8 @@ def test_state_is_fixed_size_float32(params, tokens):
 
 
 @pytest.mark.parametrize("overrides", [["model.scan_layers=false"], ["model.remat=full"],
-                                       ["model.gla_unroll=true"], ["model.remat=dots_no_batch"]])
+                                       ["model.gla_unroll=true"], ["model.remat=dots_no_batch"],
+                                       ["model.remat=dots_gla"], ["model.remat=dots_acts"]])
 def test_layer_loop_variants_agree(params, tokens, overrides):
     import dataclasses
     cfg = load_config("laplace_tiny", SMALL + overrides).model
@@ -99,6 +100,54 @@ def test_layer_loop_variants_agree(params, tokens, overrides):
     assert rel(out, ref) <= 1e-5
     grad = _grad_qkvg(params, tokens, cfg)
     assert rel(grad, _grad_qkvg(params, tokens, CFG)) <= 1e-4
+
+
+def _grad_jaxpr(remat: str, **model):
+    import dataclasses
+    cfg = dataclasses.replace(load_config("laplace_tiny", SMALL).model, remat=remat, **model)
+    p = init_params(cfg, jax.random.PRNGKey(0))
+    toks = jnp.zeros((1, cfg.seq_len), jnp.int32)
+    return p, jax.make_jaxpr(jax.grad(lambda p: forward(p, toks, cfg).mean()))(p)
+
+
+def _weight_dots(params, closed) -> int:
+    """dot_generals anywhere in the jaxpr (scan, remat and custom_vjp bodies too) that read a layer weight."""
+    from jax._src import core
+    shapes = {tuple(a.shape[1:]) for a in jax.tree.leaves(params["layers"]) if a.ndim == 3}
+    n = 0
+
+    def walk(jaxpr):
+        nonlocal n
+        for e in jaxpr.eqns:
+            n += e.primitive.name == "dot_general" and any(tuple(v.aval.shape) in shapes for v in e.invars)
+            for sub in core.jaxprs_in_params(e.params):
+                walk(sub)
+    walk(closed.jaxpr)
+    return n
+
+
+@pytest.mark.parametrize("dense_output", ["compute", "float32"])
+def test_dot_policies_rerun_no_projection(dense_output):
+    """Under the dot-saving remat policies the backward re-runs none of the layer's projections
+    (bf16 or float32 outputs): as many weight GEMMs as without remat; full remat re-runs three."""
+    counts = {r: _weight_dots(*_grad_jaxpr(r, compute_dtype="bfloat16", dense_output=dense_output))
+              for r in ("none", "dots_no_batch", "dots", "dots_gla", "dots_acts", "full")}
+    assert counts["full"] == counts["none"] + 3, counts
+    assert all(counts[r] == counts["none"] for r in ("dots_no_batch", "dots", "dots_gla", "dots_acts")), counts
+
+
+def test_gla_saving_policies_run_the_gla_forward_once():
+    """dots_gla / dots_acts keep the Pallas GLA's output and chunk states, so the backward re-runs
+    neither GLA forward kernel; dots_no_batch re-runs both."""
+    import re
+    counts = {}
+    for remat in ("dots_no_batch", "dots_gla", "dots_acts"):
+        jaxpr = str(_grad_jaxpr(remat, gla_impl="pallas")[1])
+        names = re.findall(r"name=(gla_states_fwd|gla_output|gla_states_bwd|gla_grads)\b", jaxpr)
+        counts[remat] = {n: names.count(n) for n in set(names)}
+    assert counts["dots_no_batch"] == {"gla_states_fwd": 2, "gla_output": 2, "gla_states_bwd": 1, "gla_grads": 1}
+    for remat in ("dots_gla", "dots_acts"):
+        assert counts[remat] == {"gla_states_fwd": 1, "gla_output": 1, "gla_states_bwd": 1, "gla_grads": 1}
 
 
 @functools.lru_cache(maxsize=None)

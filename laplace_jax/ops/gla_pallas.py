@@ -24,6 +24,7 @@ import operator
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -226,7 +227,9 @@ def _gla(q, k, v, g, s0, C: int, scale: float, interpret: bool, launch: tuple[in
 def _gla_fwd(q, k, v, g, s0, C, scale, interpret, launch):
     ss, sT = _states(g, k, v, s0, C, False, 1.0, interpret, launch[0], launch[2])
     o = _output(g, q, k, v, ss, C, scale, interpret, launch[1])
-    return (o, sT), (q, k, v, g, ss)
+    # Named so a remat policy can keep the chunk states (model.SAVED_ACTIVATIONS) instead of
+    # re-running the state pass in the backward.
+    return (o, sT), (q, k, v, g, checkpoint_name(ss, "gla_chunk_states"))
 
 
 def _gla_bwd(C, scale, interpret, launch, res, cts):

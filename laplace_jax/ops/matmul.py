@@ -18,22 +18,33 @@ def _transposed_spec(spec: str) -> tuple[str, str]:
     return f"{out},{b}->{a}", f"{out},{a}->{b}"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
 def mixed_matmul(spec: str, a: Array, b: Array, out_dtype: Any = F32) -> Array:
-    """einsum with float32 accumulation, output in `out_dtype` (positional; default float32); the
-    backward runs in the inputs' dtype.
+    """einsum with float32 accumulation, output in `out_dtype` (default float32); the backward runs
+    in the inputs' dtype.
 
-    Plain autodiff would hand the float32 cotangent to the transposed products, which then run as
-    float32 (TF32 on GPUs) matmuls at about half the bf16 rate. Here the cotangent is cast to the
-    input dtype first (a no-op for float32 inputs), as bf16 autocast training does; the transposed
-    products still accumulate in float32. A bf16 `out_dtype` is what autocast writes: the GEMM still
-    accumulates in float32 and rounds once on output, halving the bytes written, saved for the
-    backward and read by the next op."""
+    A bf16 `out_dtype` is what autocast writes: the GEMM accumulates in float32 and rounds once on
+    output, halving the bytes written, saved for the backward and read by the next op. Then the
+    cotangent is already bf16 and autodiff's own transposed products run as bf16 GEMMs, so this
+    is a plain `dot_general`, which remat policies (`dots_with_no_batch_dims_saveable`) can see and
+    save: behind a `custom_vjp` they cannot, and the backward re-ran every forward GEMM.
+
+    A wider `out_dtype` (float32 logits) goes through `_widening_matmul`: plain autodiff would hand
+    the float32 cotangent to the transposed products, which then run as float32 (TF32 on GPUs)
+    matmuls at about half the bf16 rate."""
+    if jnp.dtype(out_dtype) == jnp.promote_types(a.dtype, b.dtype):
+        return jnp.einsum(spec, a, b, preferred_element_type=out_dtype)
+    return _widening_matmul(spec, a, b, out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def _widening_matmul(spec: str, a: Array, b: Array, out_dtype: Any) -> Array:
+    """`mixed_matmul` for an output wider than the inputs: the cotangent is cast to the input dtype
+    first (as bf16 autocast training does); the transposed products still accumulate in float32."""
     return jnp.einsum(spec, a, b, preferred_element_type=out_dtype)
 
 
 def _mm_fwd(spec, a, b, out_dtype):
-    return mixed_matmul(spec, a, b, out_dtype), (a, b)
+    return _widening_matmul(spec, a, b, out_dtype), (a, b)
 
 
 def _mm_bwd(spec, out_dtype, res, g):
@@ -45,4 +56,4 @@ def _mm_bwd(spec, out_dtype, res, g):
     return da, db
 
 
-mixed_matmul.defvjp(_mm_fwd, _mm_bwd)
+_widening_matmul.defvjp(_mm_fwd, _mm_bwd)
