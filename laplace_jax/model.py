@@ -248,6 +248,13 @@ def _layer_step(cfg: ModelConfig, lp: Params, x: Array, g_gamma: Array, st: dict
     return x, {"conv": window, "gla": gla_state}
 
 
+def _unstack(tree: Any, n: int) -> list[Any]:
+    """A pytree of [n, ...] arrays → n pytrees of [...] arrays."""
+    leaves, treedef = jax.tree.flatten(tree)
+    parts = [[p[0] for p in jnp.split(a, n, axis=0)] for a in leaves]
+    return [jax.tree.unflatten(treedef, [ps[i] for ps in parts]) for i in range(n)]
+
+
 def _over_layers(cfg: ModelConfig, layer_fn, layers: Params, x: Array, per_layer: Any = None):
     """Apply `layer_fn(lp, x, extra) -> (x, out)` over the stacked layers (scan or a Python loop)."""
     if cfg.remat != "none":
@@ -258,9 +265,12 @@ def _over_layers(cfg: ModelConfig, layer_fn, layers: Params, x: Array, per_layer
             return layer_fn(lp, x, extra)
         return jax.lax.scan(body, x, (layers, per_layer))
     outs = []
-    for i in range(cfg.num_layers):
-        lp = jax.tree.map(lambda a: a[i], layers)
-        extra = None if per_layer is None else jax.tree.map(lambda a: a[i], per_layer)
+    # One split per stacked leaf, not L indexings: the transpose of a split is one concatenate, while
+    # the transpose of `a[i]` is a zero-padded [L, ...] array per layer, and XLA summed the L padded
+    # weight gradients elementwise (~40 ms per 3B micro-step at B=16 on an H200).
+    lps = _unstack(layers, cfg.num_layers)
+    extras = [None] * cfg.num_layers if per_layer is None else _unstack(per_layer, cfg.num_layers)
+    for lp, extra in zip(lps, extras):
         x, out = layer_fn(lp, x, extra)
         outs.append(out)
     return x, jax.tree.map(lambda *a: jnp.stack(a), *outs)
@@ -270,9 +280,15 @@ def _over_layers_in_place(cfg: ModelConfig, layer_fn, layers: Params, x: Array, 
     """Like `_over_layers` for decoding, but the whole [L, ...] state rides in the scan carry and
     each layer's slice is read and written back with dynamic (update-)slices. A scan's per-layer
     outputs go to a new [L, ...] buffer, so the xs/ys form holds the state twice and copies it
-    every step; a carried buffer is updated in place (with the state argument donated)."""
+    every step; a carried buffer is updated in place (with the state argument donated). With
+    scan_layers=false the layers are a Python loop over the same static slices and updates."""
     if not cfg.scan_layers:
-        return _over_layers(cfg, layer_fn, layers, x, state)
+        for i, lp in enumerate(_unstack(layers, cfg.num_layers)):
+            st = jax.tree.map(lambda a: jax.lax.index_in_dim(a, i, 0, keepdims=False), state)
+            x, st = layer_fn(lp, x, st)
+            state = jax.tree.map(lambda a, s: jax.lax.dynamic_update_index_in_dim(a, s.astype(a.dtype), i, 0),
+                                 state, st)
+        return x, state
 
     def body(carry, xs):
         x, state = carry

@@ -136,6 +136,25 @@ def test_dot_policies_rerun_no_projection(dense_output):
     assert all(counts[r] == counts["none"] for r in ("dots_no_batch", "dots", "dots_gla", "dots_acts")), counts
 
 
+def test_unrolled_layers_stack_weight_grads_with_one_concatenate():
+    """With scan_layers=false the stacked weights are split once, so their gradients are one
+    concatenate, not a zero-padded [L, ...] array per layer summed elementwise (the transpose of
+    indexing a[i]; XLA ran that sum at a fraction of bandwidth)."""
+    from jax._src import core
+    params, closed = _grad_jaxpr("dots_gla", scan_layers=False)
+    stacked = {tuple(a.shape) for a in jax.tree.leaves(params["layers"])}
+    found = {"pad": 0, "concatenate": 0}
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name in found and tuple(e.outvars[0].aval.shape) in stacked:
+                found[e.primitive.name] += 1
+            for sub in core.jaxprs_in_params(e.params):
+                walk(sub)
+    walk(closed.jaxpr)
+    assert found["pad"] == 0 and found["concatenate"] >= len(stacked), found
+
+
 def test_gla_saving_policies_run_the_gla_forward_once():
     """dots_gla / dots_acts keep the Pallas GLA's output and chunk states, so the backward re-runs
     neither GLA forward kernel; dots_no_batch re-runs both."""
@@ -176,9 +195,13 @@ def test_bf16_dense_output_close_to_float32_output(params, tokens):
     assert rel(_grad_qkvg(params, tokens, bf), _grad_qkvg(params, tokens, ref_cfg)) < 5e-2
 
 
-def test_decode_state_in_place_equals_scanned_state(params, tokens):
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_decode_state_in_place_equals_scanned_state(params, tokens, scan_layers):
+    """The in-place state update (layer scan or Python loop) = the scanned xs/ys form."""
+    import dataclasses
+    cfg = dataclasses.replace(CFG, scan_layers=scan_layers)
     _, state = _prefill(params, tokens[:, :9], CFG)
-    a_logits, a_state = decode_step(params, tokens[:, 9], state, CFG)
+    a_logits, a_state = decode_step(params, tokens[:, 9], state, cfg)
     b_logits, b_state = decode_step(params, tokens[:, 9], state, CFG, state_in_place=False)
     np.testing.assert_allclose(np.asarray(a_logits), np.asarray(b_logits), rtol=1e-6, atol=1e-6)
     for x, y in zip(jax.tree.leaves(a_state), jax.tree.leaves(b_state)):
