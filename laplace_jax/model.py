@@ -22,7 +22,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from laplace_jax.config import ModelConfig, gla_decay_log
 from laplace_jax.ops.gla import chunk_simple_gla, simple_gla_step
+from laplace_jax.ops.glu import swiglu
 from laplace_jax.ops.matmul import mixed_matmul
+from laplace_jax.ops.split import split_last
 
 Array = jax.Array
 Params = dict[str, Any]
@@ -169,7 +171,7 @@ def _head_rms_norm(o: Array, weight: Array, eps: float) -> Array:
 
 def _split_qkvg(cfg: ModelConfig, qkvg: Array) -> tuple[Array, Array, Array, Array]:
     H, K, V = cfg.num_heads, cfg.d_k, cfg.d_v
-    q, k, v, g = jnp.split(qkvg, [H * K, 2 * H * K, 2 * H * K + H * V], axis=-1)
+    q, k, v, g = split_last(qkvg, (H * K, H * K, H * V, H * V))
     lead = qkvg.shape[:-1]
     return (q.reshape(*lead, H, K), k.reshape(*lead, H, K),
             v.reshape(*lead, H, V), g.reshape(*lead, H, V))
@@ -200,8 +202,7 @@ def _mix_out(cfg: ModelConfig, lp: Params, q: Array, k: Array, v: Array, g: Arra
 def _ffn(cfg: ModelConfig, lp: Params, x: Array) -> Array:
     cdt = jnp.dtype(cfg.compute_dtype)
     z = checkpoint_name(_layer_norm(x, lp["ffn_norm"], cfg.norm_eps).astype(cdt), "ffn_in")
-    a, b = jnp.split(_dense(z, lp["w_12"], cfg).astype(F32), 2, axis=-1)
-    h = checkpoint_name((jax.nn.silu(a) * b).astype(cdt), "glu_out")
+    h = checkpoint_name(swiglu(_dense(z, lp["w_12"], cfg)).astype(cdt), "glu_out")
     return _dense(h, lp["w_3"], cfg).astype(F32)
 
 
