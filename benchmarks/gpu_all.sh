@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU row of BENCHMARKS.md, one device-tool call (<= 600 s) per part:
 #   bash benchmarks/gpu_all.sh gla   OUT   # GLA: fla vs the XLA and Pallas forms (fla's first Triton autotuning: ~160 s)
-#   bash benchmarks/gpu_all.sh train OUT   # 3B training on 1 GPU (Pallas vs XLA GLA) and on all GPUs; JAX decode/prefill
+#   bash benchmarks/gpu_all.sh train OUT   # 3B training on 1 GPU (loop vs scan over layers) and on all GPUs; JAX decode/prefill
 #   bash benchmarks/gpu_all.sh serve OUT   # 3B through vLLM (after ../shared/tools/vllm-gpu installed it)
 # Wheels the GPU image lacks (fla-core, einops) are installed from .whl/ when present. Each part
 # runs under its own time limit so one hang cannot eat the whole call; logs land in OUT.
@@ -20,10 +20,13 @@ case $part in
 gla)
     CUDA_VISIBLE_DEVICES=0 bench 540 --parts gla --reps 7 --fla-timeout 300 --out "$out/gla" > "$out/gla.log" 2>&1 ;;
 train)
-    CUDA_VISIBLE_DEVICES=0 bench 330 --parts train,decode --micro-batches 16,16:gla_impl=xla,8 \
-        --decode-widths 16,256,1280 --long-prompts 2048,8192 --reps 3 --profile --out "$out/one" > "$out/one.log" 2>&1
+    # the 3B config's unrolled layers compile in ~45 s per shape: two variants x (A=1, A=2) ~ 4 min
+    CUDA_VISIBLE_DEVICES=0 bench 300 --parts train --micro-batches 16,16:scan_layers=true \
+        --reps 3 --profile --out "$out/one" > "$out/one.log" 2>&1
+    CUDA_VISIBLE_DEVICES=0 bench 120 --parts decode --decode-widths 16,256,1280 --long-prompts 2048,8192 \
+        --reps 3 --out "$out/decode" > "$out/decode.log" 2>&1
     if [ "$ngpu" -gt 1 ]; then
-        bench 200 --parts train --devices "$ngpu" --micro-batches 8,8:train.grad_sync=micro --reps 3 \
+        bench 170 --parts train --devices "$ngpu" --micro-batches 8 --reps 3 \
             --out "$out/all" > "$out/all.log" 2>&1
     fi ;;
 serve)

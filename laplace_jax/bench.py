@@ -285,8 +285,10 @@ def bench_gla(t: Table, shape: dict[str, int], iters: int, reps: int, fla: dict[
 
 # ----------------------------------------------------------------------------- training step
 
-def _profile_summary(fn: Callable[[], Any], sync, trace_dir: Path, top: int = 25) -> list[tuple[str, float, int]]:
-    """Trace `fn` once; return (kernel name, total ms, count) over the GPU planes, largest first."""
+def _profile_summary(fn: Callable[[], Any], sync, trace_dir: Path) -> list[tuple[str, float, int, str]]:
+    """Trace `fn` once; return (kernel name, total ms, count, HLO op) over the GPU planes, largest
+    first, with a last "(all kernels)" row. The HLO op names the fusion or custom call in XLA's
+    optimized module (an `--xla_dump_to` dump maps it to source ops)."""
     import jax
     from jax.profiler import ProfileData
 
@@ -299,7 +301,7 @@ def _profile_summary(fn: Callable[[], Any], sync, trace_dir: Path, top: int = 25
     if not files:
         return []
     pd = ProfileData.from_file(files[0])
-    agg: dict[str, list[float]] = {}
+    agg: dict[str, list[Any]] = {}
     for pl in pd.planes:
         if not pl.name.startswith("/device:GPU"):
             continue
@@ -307,15 +309,20 @@ def _profile_summary(fn: Callable[[], Any], sync, trace_dir: Path, top: int = 25
             if not ln.name.startswith("Stream"):
                 continue
             for ev in ln.events:
-                a = agg.setdefault(ev.name, [0.0, 0])
+                a = agg.setdefault(ev.name, [0.0, 0, set()])
                 a[0] += ev.duration_ns / 1e6
                 a[1] += 1
-    rows = sorted(((k, v[0], v[1]) for k, v in agg.items()), key=lambda r: -r[1])
-    return rows[:top] + [("(all kernels)", sum(r[1] for r in rows), sum(r[2] for r in rows))]
+                op = dict(ev.stats).get("hlo_op")
+                if op and len(a[2]) < 4:
+                    a[2].add(str(op))
+    rows = sorted(((k, v[0], v[1], " ".join(sorted(v[2]))) for k, v in agg.items()), key=lambda r: -r[1])
+    return rows + [("(all kernels)", sum(r[1] for r in rows), sum(r[2] for r in rows), "")]
 
 
 def _classify(name: str) -> str:
     n = name.lower()
+    if n.startswith("gla_"):
+        return "GLA (Pallas)"
     if any(s in n for s in ("gemm", "nvjet", "xmma", "cutlass", "matmul", "dot", "wgmma")):
         return "matmul"
     if "memcpy" in n or "memset" in n:
@@ -328,14 +335,15 @@ def _profile_rows(t: Table, section: str, label: str, call, sync, out_dir: Path 
         rows = _profile_summary(call, sync, Path(tempfile.mkdtemp()) / "trace")
         total = rows[-1][1] if rows else 0.0
         cls: dict[str, float] = {}
-        for name, ms, _ in rows[:-1]:
+        for name, ms, _, _ in rows[:-1]:
             cls[_classify(name)] = cls.get(_classify(name), 0.0) + ms
-        lines = [f"{ms:10.3f} ms {cnt:6d}x  {name[:150]}" for name, ms, cnt in rows]
+        lines = [f"{ms:10.3f} ms {cnt:6d}x  {name[:150]}" + (f"  [{op[:120]}]" if op else "")
+                 for name, ms, cnt, op in rows]
         if out_dir is not None:
             (out_dir / fname).write_text("\n".join(lines) + "\n")
-        print(f"[bench] profile of {label} (top kernels):\n" + "\n".join(lines[:12]), flush=True)
+        print(f"[bench] profile of {label} (top kernels):\n" + "\n".join(lines[:12] + lines[-1:]), flush=True)
         t.add(section, f"profile: kernel time in {label}", total, "ms",
-              "sum over GPU streams; top-25 kernels by class: " +
+              f"sum over GPU streams, {len(rows) - 1} kernel names; by class: " +
               ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(cls.items(), key=lambda kv: -kv[1])))
     except Exception as e:  # noqa: BLE001
         t.add(section, f"profile of {label}", None, "", f"failed: {type(e).__name__}: {str(e)[:120]}")
