@@ -290,23 +290,23 @@ def _over_layers_in_place(cfg: ModelConfig, layer_fn, layers: Params, x: Array, 
     scan_layers=false the layers are a Python loop over the same static slices and updates."""
     if not cfg.scan_layers:
         for i, lp in enumerate(_unstack(layers, cfg.num_layers)):
-            st = jax.tree.map(lambda a: jax.lax.index_in_dim(a, i, 0, keepdims=False), state)
-            x, st = layer_fn(lp, x, st)
-            state = jax.tree.map(lambda a, s: jax.lax.dynamic_update_index_in_dim(a, s.astype(a.dtype), i, 0),
-                                 state, st)
+            x, state = _layer_in_place(layer_fn, lp, x, state, i)
         return x, state
 
     def body(carry, xs):
-        x, state = carry
         lp, i = xs
-        st = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), state)
-        x, st = layer_fn(lp, x, st)
-        state = jax.tree.map(lambda a, s: jax.lax.dynamic_update_index_in_dim(a, s.astype(a.dtype), i, 0),
-                             state, st)
-        return (x, state), None
+        return _layer_in_place(layer_fn, lp, *carry, i), None
 
     (x, state), _ = jax.lax.scan(body, (x, state), (layers, jnp.arange(cfg.num_layers)))
     return x, state
+
+
+def _layer_in_place(layer_fn, lp: Params, x: Array, state: Any, i: Any) -> tuple[Array, Any]:
+    """Layer `i` (an int, or a traced index in the scan) on slice i of the [L, ...] state; its new
+    state is written back into that slice."""
+    st = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), state)
+    x, st = layer_fn(lp, x, st)
+    return x, jax.tree.map(lambda a, s: jax.lax.dynamic_update_index_in_dim(a, s.astype(a.dtype), i, 0), state, st)
 
 
 def _embed(params: Params, tokens: Array) -> Array:

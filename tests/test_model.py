@@ -110,20 +110,20 @@ def _grad_jaxpr(remat: str, **model):
     return p, jax.make_jaxpr(jax.grad(lambda p: forward(p, toks, cfg).mean()))(p)
 
 
-def _weight_dots(params, closed) -> int:
-    """dot_generals anywhere in the jaxpr (scan, remat and custom_vjp bodies too) that read a layer weight."""
+def _eqns(jaxpr):
+    """Every equation of a jaxpr, inside scan, remat and custom_vjp bodies too."""
     from jax._src import core
-    shapes = {tuple(a.shape[1:]) for a in jax.tree.leaves(params["layers"]) if a.ndim == 3}
-    n = 0
+    for e in jaxpr.eqns:
+        yield e
+        for sub in core.jaxprs_in_params(e.params):
+            yield from _eqns(sub)
 
-    def walk(jaxpr):
-        nonlocal n
-        for e in jaxpr.eqns:
-            n += e.primitive.name == "dot_general" and any(tuple(v.aval.shape) in shapes for v in e.invars)
-            for sub in core.jaxprs_in_params(e.params):
-                walk(sub)
-    walk(closed.jaxpr)
-    return n
+
+def _weight_dots(params, closed) -> int:
+    """dot_generals that read a layer weight."""
+    shapes = {tuple(a.shape[1:]) for a in jax.tree.leaves(params["layers"]) if a.ndim == 3}
+    return sum(e.primitive.name == "dot_general" and any(tuple(v.aval.shape) in shapes for v in e.invars)
+               for e in _eqns(closed.jaxpr))
 
 
 @pytest.mark.parametrize("dense_output", ["compute", "float32"])
@@ -140,18 +140,12 @@ def test_unrolled_layers_stack_weight_grads_with_one_concatenate():
     """With scan_layers=false the stacked weights are split once, so their gradients are one
     concatenate, not a zero-padded [L, ...] array per layer summed elementwise (the transpose of
     indexing a[i]; XLA ran that sum at a fraction of bandwidth)."""
-    from jax._src import core
     params, closed = _grad_jaxpr("dots_gla", scan_layers=False)
     stacked = {tuple(a.shape) for a in jax.tree.leaves(params["layers"])}
     found = {"pad": 0, "concatenate": 0}
-
-    def walk(jaxpr):
-        for e in jaxpr.eqns:
-            if e.primitive.name in found and tuple(e.outvars[0].aval.shape) in stacked:
-                found[e.primitive.name] += 1
-            for sub in core.jaxprs_in_params(e.params):
-                walk(sub)
-    walk(closed.jaxpr)
+    for e in _eqns(closed.jaxpr):
+        if e.primitive.name in found and tuple(e.outvars[0].aval.shape) in stacked:
+            found[e.primitive.name] += 1
     assert found["pad"] == 0 and found["concatenate"] >= len(stacked), found
 
 

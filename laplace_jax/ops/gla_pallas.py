@@ -227,7 +227,7 @@ def _gla(q, k, v, g, s0, C: int, scale: float, interpret: bool, launch: tuple[in
 def _gla_fwd(q, k, v, g, s0, C, scale, interpret, launch):
     ss, sT = _states(g, k, v, s0, C, False, 1.0, interpret, launch[0], launch[2])
     o = _output(g, q, k, v, ss, C, scale, interpret, launch[1])
-    # Named so a remat policy can keep the chunk states (model.SAVED_ACTIVATIONS) instead of
+    # Named so a remat policy can keep the chunk states (model.py's dots_gla / dots_acts) instead of
     # re-running the state pass in the backward.
     return (o, sT), (q, k, v, g, checkpoint_name(ss, "gla_chunk_states"))
 
