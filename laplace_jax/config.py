@@ -52,6 +52,7 @@ class ModelConfig:
     gla_impl: str = "auto"           # chunked GLA: auto | xla | pallas (GPU kernels, ops/gla_pallas.py). auto:
                                      # pallas on GPUs inside per-device code (grad_sync=step), xla elsewhere:
                                      # the kernels have no GSPMD partitioning rule (grad_accum.for_gspmd)
+    mix_impl: str = "auto"           # gated mix after the GLA: auto | xla | pallas (ops/mix_pallas.py); auto as gla_impl
     dense_output: str = "compute"    # hidden projections' output dtype: compute (f32 accumulate,
                                      # written in compute_dtype, as bf16 autocast) | float32; logits stay f32
 
@@ -165,6 +166,8 @@ def validate(cfg: Config) -> Config:
     _check(m.gla_hand_off in ("scan", "matmul"), f"model.gla_hand_off={m.gla_hand_off!r}: choose 'scan' or 'matmul'")
     _check(m.gla_impl in ("auto", "xla", "pallas"),
            f"model.gla_impl={m.gla_impl!r}: choose 'auto', 'xla' or 'pallas'")
+    _check(m.mix_impl in ("auto", "xla", "pallas"),
+           f"model.mix_impl={m.mix_impl!r}: choose 'auto', 'xla' or 'pallas'")
     _check(m.dense_output in ("compute", "float32"),
            f"model.dense_output={m.dense_output!r}: choose 'compute' or 'float32'")
     _check(m.compute_dtype in _DTYPES, f"model.compute_dtype={m.compute_dtype!r}: choose one of {_DTYPES}")
@@ -182,9 +185,10 @@ def validate(cfg: Config) -> Config:
            f"optim.muon_comm_dtype={o.muon_comm_dtype!r}: choose one of {_DTYPES}")
     t = cfg.train
     _check(t.grad_sync in ("step", "micro"), f"train.grad_sync={t.grad_sync!r}: choose 'step' or 'micro'")
-    _check(not (m.gla_impl == "pallas" and t.grad_sync == "micro"),
-           "model.gla_impl=pallas with train.grad_sync=micro: the Pallas GLA has no GSPMD partitioning rule; "
-           "set train.grad_sync=step or model.gla_impl=auto")
+    for key in ("gla_impl", "mix_impl"):
+        _check(not (getattr(m, key) == "pallas" and t.grad_sync == "micro"),
+               f"model.{key}=pallas with train.grad_sync=micro: Pallas kernels have no GSPMD partitioning "
+               f"rule; set train.grad_sync=step or model.{key}=auto")
     for name in ("batch_tokens", "micro_batch", "steps", "log_every", "eval_every", "eval_batches",
                  "ckpt_every", "keep_ckpts"):
         _check(getattr(t, name) > 0, f"train.{name}={getattr(t, name)}: must be positive")

@@ -14,8 +14,9 @@ Two ways to synchronise across an FSDP mesh (`train.grad_sync`):
   the weights in the compute dtype and one float32 gradient buffer per device (6 GB + 12 GB for 3B).
 
 Both give the same numbers up to the order of float32 additions (per micro-step vs per step).
-Under plain SPMD (``"micro"`` and the eval loss) `model.gla_impl="auto"` means the XLA GLA: the Pallas
-kernels have no partitioning rule, so XLA would gather the whole batch onto every device for them.
+Under plain SPMD (``"micro"`` and the eval loss) `model.gla_impl="auto"` and `model.mix_impl="auto"`
+mean the XLA GLA and gated mix: the Pallas kernels have no partitioning rule, so XLA would gather the
+whole batch onto every device for them.
 """
 from __future__ import annotations
 
@@ -37,10 +38,12 @@ F32 = jnp.float32
 
 
 def for_gspmd(cfg: Config) -> Config:
-    """cfg for code that XLA partitions itself (GSPMD): gla_impl "auto" → "xla" (see the module doc)."""
-    if cfg.model.gla_impl != "auto":
+    """cfg for code that XLA partitions itself (GSPMD): gla_impl and mix_impl "auto" → "xla" (see the
+    module doc)."""
+    auto = {key: "xla" for key in ("gla_impl", "mix_impl") if getattr(cfg.model, key) == "auto"}
+    if not auto:
         return cfg
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, gla_impl="xla"))
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **auto))
 
 
 def loss_fn(params: Any, batch: dict[str, jax.Array], cfg: Config) -> jax.Array:

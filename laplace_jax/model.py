@@ -24,6 +24,7 @@ from laplace_jax.config import ModelConfig, gla_decay_log
 from laplace_jax.ops.gla import chunk_simple_gla, simple_gla_step
 from laplace_jax.ops.glu import swiglu
 from laplace_jax.ops.matmul import mixed_matmul
+from laplace_jax.ops.mix import gated_mix
 from laplace_jax.ops.split import split_last
 
 Array = jax.Array
@@ -160,15 +161,6 @@ def _layer_norm(x: Array, scale: Array, eps: float) -> Array:
     return (x - mean) * jax.lax.rsqrt(var + eps) * scale
 
 
-def _head_rms_norm(o: Array, weight: Array, eps: float) -> Array:
-    """o: [..., H, V]; weight: [T, V] shared by the H/T contiguous heads of each decay tier."""
-    *lead, H, V = o.shape
-    T = weight.shape[0]
-    o = o.astype(F32).reshape(*lead, T, H // T, V)
-    o = o * jax.lax.rsqrt(jnp.square(o).mean(-1, keepdims=True) + eps) * weight[:, None, :]
-    return o.reshape(*lead, H, V)
-
-
 def _split_qkvg(cfg: ModelConfig, qkvg: Array) -> tuple[Array, Array, Array, Array]:
     H, K, V = cfg.num_heads, cfg.d_k, cfg.d_v
     q, k, v, g = split_last(qkvg, (H * K, H * K, H * V, H * V))
@@ -195,11 +187,9 @@ def _dense(x: Array, w: Array, cfg: ModelConfig, out_dtype: Any = None) -> Array
 
 
 def _mix_out(cfg: ModelConfig, lp: Params, q: Array, k: Array, v: Array, g: Array, o: Array) -> Array:
-    """Self-augmentation, head RMSNorm per tier, SiLU gate, W_out. Shapes [..., H, *]."""
+    """Self-augmentation, head RMSNorm per tier, SiLU gate (ops/mix.py), W_out. Shapes [..., H, *]."""
     cdt = jnp.dtype(cfg.compute_dtype)
-    gate = jax.nn.sigmoid(jnp.sum(q.astype(F32) * lp["aug_balance"] * k.astype(F32), -1, keepdims=True))
-    o = o.astype(F32) + gate * v.astype(F32)
-    o = _head_rms_norm(o, lp["head_norm"], cfg.norm_eps) * jax.nn.silu(g.astype(F32))
+    o = gated_mix(q, k, v, g, o, lp["aug_balance"], lp["head_norm"], cfg.norm_eps, impl=cfg.mix_impl)
     o = checkpoint_name(o.reshape(*o.shape[:-2], cfg.d_model).astype(cdt), "mix_out")
     return _dense(o, lp["w_out"], cfg).astype(F32)
 

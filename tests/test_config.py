@@ -38,6 +38,8 @@ def test_dotted_overrides_reach_every_section():
     (["model.dense_output=bf16"], "model.dense_output='bf16': choose 'compute' or 'float32'"),
     (["model.gla_impl=triton"], "model.gla_impl='triton': choose 'auto', 'xla' or 'pallas'"),
     (["model.gla_impl=pallas", "train.grad_sync=micro"], "set train.grad_sync=step or model.gla_impl=auto"),
+    (["model.mix_impl=fused"], "model.mix_impl='fused': choose 'auto', 'xla' or 'pallas'"),
+    (["model.mix_impl=pallas", "train.grad_sync=micro"], "set train.grad_sync=step or model.mix_impl=auto"),
     (["steps"], "expected key=value"),
 ])
 def test_errors_are_one_line_and_name_the_fix(overrides, message):

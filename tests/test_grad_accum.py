@@ -74,13 +74,14 @@ def test_step_sync_gathers_once(setup):
     assert in_loop_collectives(micro_hlo) > 0
 
 
-def test_pallas_gla_per_device_equals_xla_on_one_device():
-    """model.gla_impl=pallas (Pallas' interpreter on CPU) inside grad_sync=step's shard_map on a 2x2
-    mesh gives the gradients of the XLA GLA on one device."""
+def test_pallas_kernels_per_device_equal_xla_on_one_device():
+    """model.gla_impl=pallas and model.mix_impl=pallas (Pallas' interpreter on CPU) inside
+    grad_sync=step's shard_map on a 2x2 mesh give the gradients of the XLA forms on one device."""
     from laplace_jax.config import config_to_dict, from_dict
     cfg = load_config("laplace_tiny", ["model.vocab_size=512", "model.seq_len=64", "model.num_chunks=4",
-                                       "model.compute_dtype=float32", "model.gla_impl=pallas"])
-    xla_cfg = from_dict(config_to_dict(cfg), ["model.gla_impl=xla"])
+                                       "model.compute_dtype=float32", "model.gla_impl=pallas",
+                                       "model.mix_impl=pallas"])
+    xla_cfg = from_dict(config_to_dict(cfg), ["model.gla_impl=xla", "model.mix_impl=xla"])
     params = init_params(cfg.model, jax.random.PRNGKey(1))
     toks = np.random.default_rng(1).integers(0, 512, (2, 4, 65), dtype=np.int32)
     batch = {"inputs": jnp.asarray(toks[..., :-1]), "targets": jnp.asarray(toks[..., 1:])}
@@ -92,10 +93,13 @@ def test_pallas_gla_per_device_equals_xla_on_one_device():
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-4, atol=1e-7)
 
 
-def test_gspmd_code_uses_the_xla_gla_under_auto():
+def test_gspmd_code_uses_the_xla_gla_and_mix_under_auto():
     from laplace_jax.config import config_to_dict, from_dict
     from laplace_jax.grad_accum import for_gspmd
     cfg = load_config("laplace_tiny", OVR)
-    assert cfg.model.gla_impl == "auto" and for_gspmd(cfg).model.gla_impl == "xla"
-    pallas = from_dict(config_to_dict(cfg), ["model.gla_impl=pallas"])
+    assert (cfg.model.gla_impl, cfg.model.mix_impl) == ("auto", "auto")
+    assert (for_gspmd(cfg).model.gla_impl, for_gspmd(cfg).model.mix_impl) == ("xla", "xla")
+    gla_only = from_dict(config_to_dict(cfg), ["model.gla_impl=pallas"])
+    assert (for_gspmd(gla_only).model.gla_impl, for_gspmd(gla_only).model.mix_impl) == ("pallas", "xla")
+    pallas = from_dict(config_to_dict(cfg), ["model.gla_impl=pallas", "model.mix_impl=pallas"])
     assert for_gspmd(pallas) is pallas

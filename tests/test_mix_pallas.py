@@ -1,0 +1,129 @@
+"""The gated mix's Pallas kernels (Pallas' interpreter on CPU) against a float64 NumPy reference and
+autodiff of the XLA form; the dispatcher's fallback; the model with either form; the Triton lowering."""
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from laplace_jax.config import load_config
+from laplace_jax.model import forward, init_params
+from laplace_jax.ops.mix import gated_mix, gated_mix_xla
+from laplace_jax.ops.mix_pallas import gated_mix_pallas, supported
+
+# K = 48 and V = 80 are read in power-of-two pieces (32 + 16, 64 + 16), as 96 and 192 are in the 3B model.
+N, H, K, V, T = 64, 4, 48, 80, 2
+EPS = 1e-5
+
+
+def make(n=N, seed=0, dtype=np.float32):
+    r = np.random.default_rng(seed)
+    x = lambda *s: r.standard_normal(s).astype(np.float32)  # noqa: E731
+    arrays = [x(n, H, K), x(n, H, K), x(n, H, V), x(n, H, V), x(n, H, V)]
+    return [a.astype(dtype) for a in arrays] + [0.5 * x(H, K), 1 + 0.2 * x(T, V)]
+
+
+def numpy_mix(q, k, v, g, o, a, w):
+    q, k, v, g, o, a, w = (np.asarray(t, np.float64) for t in (q, k, v, g, o, a, w))
+    sig = lambda z: 1 / (1 + np.exp(-z))  # noqa: E731
+    x = o + sig(np.sum(q * a * k, -1, keepdims=True)) * v
+    y = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + EPS) * np.repeat(w, H // T, axis=0)
+    return y * g * sig(g)
+
+
+def rel(a, b):
+    a, b = np.asarray(jnp.asarray(a, jnp.float32), np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def pallas(*args):
+    return gated_mix_pallas(*args, EPS, interpret=True)
+
+
+def test_forward_matches_float64_reference():
+    ins = make()
+    y = pallas(*ins)
+    assert y.shape == (N, H, V) and y.dtype == jnp.float32
+    assert rel(y, numpy_mix(*ins)) <= 1e-6
+
+
+def test_gradients_match_autodiff_of_the_xla_form():
+    ins = [jnp.asarray(t) for t in make(seed=1)]
+    dy = jnp.asarray(np.random.default_rng(2).standard_normal((N, H, V)), jnp.float32)
+
+    def grads(fn):
+        return jax.vjp(lambda *x: fn(*x, EPS), *ins)[1](dy)
+
+    for name, got, want in zip("qkvgoaw", grads(lambda *x: pallas(*x[:7])), grads(gated_mix_xla)):
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        assert rel(got, want) <= 1e-5, name
+
+
+def test_bf16_keeps_dtypes_and_matches_the_xla_form():
+    ins = [jnp.asarray(t) for t in make(seed=3)]
+    ins[:5] = [t.astype(jnp.bfloat16) for t in ins[:5]]
+    dy = jnp.asarray(np.random.default_rng(4).standard_normal((N, H, V)), jnp.bfloat16)
+
+    def fwd_bwd(fn):
+        y, vjp = jax.vjp(lambda *x: fn(*x, EPS), *ins)
+        return (y, *vjp(dy))
+
+    for name, got, want in zip(("y",) + tuple("qkvgoaw"), fwd_bwd(lambda *x: pallas(*x[:7])),
+                               fwd_bwd(gated_mix_xla)):
+        assert got.dtype == want.dtype, name
+        assert rel(got, np.asarray(want.astype(jnp.float32), np.float64)) < 1e-2, name
+
+
+def test_leading_axes_and_the_dispatchers_fallback():
+    ins = make(n=2 * 32)
+    batched = [t.reshape(2, 32, *t.shape[1:]) for t in ins[:5]] + ins[5:]
+    want = numpy_mix(*ins).reshape(2, 32, H, V)
+    assert rel(gated_mix(*batched, EPS, impl="pallas"), want) <= 1e-6
+    few = make(n=8)                          # 8 tokens (a small decode batch): not a multiple of 16
+    assert supported(8, K, V) == "8 tokens are not a multiple of 16"
+    assert rel(gated_mix(*few, EPS, impl="pallas"), numpy_mix(*few)) <= 1e-6
+    with pytest.raises(ValueError, match="8 tokens are not a multiple of 16; use ops.mix.gated_mix_xla"):
+        gated_mix_pallas(*few, EPS)
+    with pytest.raises(ValueError, match="impl='triton': choose 'xla', 'pallas' or 'auto'"):
+        gated_mix(*few, EPS, impl="triton")
+    assert supported(64, 40, V) == f"head dims K=40, V={V} must be multiples of 16"
+
+
+def test_model_loss_and_grads_agree_with_either_mix():
+    cfg = dataclasses.replace(load_config("laplace_tiny").model, vocab_size=256, num_layers=2)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    params["layers"]["aug_balance"] = 0.3 * jax.random.normal(jax.random.PRNGKey(1),
+                                                              params["layers"]["aug_balance"].shape)
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (2, cfg.seq_len), 0, cfg.vocab_size)
+
+    def value_and_grad(impl):
+        c = dataclasses.replace(cfg, mix_impl=impl)
+        return jax.value_and_grad(lambda p: jnp.mean(forward(p, tokens, c) ** 2))(params)
+
+    (lx, gx), (lp, gp) = value_and_grad("xla"), value_and_grad("pallas")
+    assert abs(float(lx) - float(lp)) <= 1e-6 * abs(float(lx))
+    for path, a, b in zip(jax.tree_util.tree_leaves_with_path(gx), jax.tree.leaves(gx), jax.tree.leaves(gp)):
+        assert rel(b, np.asarray(a, np.float64)) <= 1e-5, jax.tree_util.keystr(path[0])
+
+
+def test_3b_shape_lowers_to_two_triton_kernels_for_cuda():
+    """Lowering (not compiling) for CUDA checks Triton's constraints (power-of-two tiles) on a CPU machine."""
+    sd = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)  # noqa: E731
+    n, h, k, v, t = 32768, 16, 96, 192, 4
+
+    def f(*args):
+        y, vjp = jax.vjp(lambda *x: gated_mix_pallas(*x, EPS, interpret=False), *args[:7])
+        return y, vjp(args[7])
+
+    try:
+        low = jax.jit(f).trace(sd(n, h, k), sd(n, h, k), sd(n, h, v), sd(n, h, v), sd(n, h, v),
+                               sd(h, k, dt=jnp.float32), sd(t, v, dt=jnp.float32), sd(n, h, v)
+                               ).lower(lowering_platforms=("cuda",))
+    except RuntimeError as e:  # newer jax wants a real (or abstract) GPU to read its compute capability
+        if "No supported GPU devices" in str(e):
+            pytest.skip(str(e)[:100])
+        raise
+    calls = re.findall(r"custom_call @(\S+)\(", low.as_text())
+    assert calls == ["__gpu$xla.gpu.triton"] * 2, calls  # forward, backward
