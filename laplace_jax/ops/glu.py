@@ -21,18 +21,16 @@ def _fwd(y: Array) -> tuple[Array, Array]:
 
 
 def _bwd(y: Array, dh: Array) -> tuple[Array]:
-    # One elementwise expression over the (a, b) pair axis of y viewed as [..., 2, F], so XLA writes
-    # the [..., 2F] cotangent in one pass. Autodiff's concatenate([da, db]) materialised both halves
-    # and then copied them, once for each GEMM that reads the cotangent (~1 ms per 3B layer at B=16).
     F = y.shape[-1] // 2
-    pair = y.reshape(*y.shape[:-1], 2, F).astype(F32)
-    a, b = pair[..., :1, :], pair[..., 1:, :]                 # [..., 1, F]: broadcast over the pair axis
+    a, b = y[..., :F].astype(F32), y[..., F:].astype(F32)
     sa = jax.nn.sigmoid(a)
-    is_a = (jnp.arange(2) == 0)[:, None]                      # [2, 1]
-    d = dh.astype(F32)[..., None, :] * jnp.where(is_a, b * sa * (1.0 + a * (1.0 - sa)), a * sa)
-    # Written once: without the barrier XLA fused this expression into both consumer GEMMs as a
-    # Triton prologue, computing it twice in slower GEMMs than cuBLAS's (BENCHMARKS.md, runs 15-16).
-    return (jax.lax.optimization_barrier(d.reshape(y.shape).astype(y.dtype)),)
+    d = dh.astype(F32)
+    # The [..., 2F] cotangent is written once, behind a barrier: without it XLA fused autodiff's
+    # concatenate into both consumer GEMMs as a Triton prologue, building it twice in GEMMs slower
+    # than cuBLAS's (BENCHMARKS.md, runs 15-16). A broadcast over a [..., 2, F] pair axis instead
+    # made XLA write a float32 intermediate and take two passes (run 18).
+    da = d * b * sa * (1.0 + a * (1.0 - sa))
+    return (jax.lax.optimization_barrier(jnp.concatenate([da, d * a * sa], -1).astype(y.dtype)),)
 
 
 swiglu.defvjp(_fwd, _bwd)
