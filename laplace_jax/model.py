@@ -25,6 +25,7 @@ from laplace_jax.ops.gla import chunk_simple_gla, simple_gla_step
 from laplace_jax.ops.glu import swiglu
 from laplace_jax.ops.matmul import mixed_matmul
 from laplace_jax.ops.mix import gated_mix
+from laplace_jax.ops.norm import layer_norm
 from laplace_jax.ops.split import split_last
 
 Array = jax.Array
@@ -154,13 +155,6 @@ def decay_log(cfg: ModelConfig) -> Array:
     return jnp.asarray(np.asarray(gla_decay_log(cfg), np.float32))
 
 
-def _layer_norm(x: Array, scale: Array, eps: float) -> Array:
-    x = x.astype(F32)
-    mean = x.mean(-1, keepdims=True)
-    var = jnp.square(x - mean).mean(-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(var + eps) * scale
-
-
 def _split_qkvg(cfg: ModelConfig, qkvg: Array) -> tuple[Array, Array, Array, Array]:
     H, K, V = cfg.num_heads, cfg.d_k, cfg.d_v
     q, k, v, g = split_last(qkvg, (H * K, H * K, H * V, H * V))
@@ -196,7 +190,7 @@ def _mix_out(cfg: ModelConfig, lp: Params, q: Array, k: Array, v: Array, g: Arra
 
 def _ffn(cfg: ModelConfig, lp: Params, x: Array) -> Array:
     cdt = jnp.dtype(cfg.compute_dtype)
-    z = checkpoint_name(_layer_norm(x, lp["ffn_norm"], cfg.norm_eps).astype(cdt), "ffn_in")
+    z = checkpoint_name(layer_norm(x, lp["ffn_norm"], cfg.norm_eps).astype(cdt), "ffn_in")
     h = checkpoint_name(swiglu(_dense(z, lp["w_12"], cfg)).astype(cdt), "glu_out")
     return _dense(h, lp["w_3"], cfg).astype(F32)
 
@@ -217,7 +211,7 @@ def _layer_seq(cfg: ModelConfig, lp: Params, x: Array, g_gamma: Array, chunking:
                st: dict[str, Array] | None) -> tuple[Array, dict[str, Array]]:
     """One layer over a sequence, from `st` (None: zero state). x: [B, S, D] f32 → (x, layer state)."""
     cdt = jnp.dtype(cfg.compute_dtype)
-    u, window = _conv_seq(cfg, lp, _layer_norm(x, lp["attn_norm"], cfg.norm_eps),
+    u, window = _conv_seq(cfg, lp, layer_norm(x, lp["attn_norm"], cfg.norm_eps),
                           None if st is None else st["conv"])
     qkvg = _dense(checkpoint_name(u.astype(cdt), "conv_out"), lp["w_qkvg"], cfg).astype(cdt)
     q, k, v, g = _split_qkvg(cfg, qkvg)
@@ -233,7 +227,7 @@ def _layer_step(cfg: ModelConfig, lp: Params, x: Array, g_gamma: Array, st: dict
                 ) -> tuple[Array, dict[str, Array]]:
     """One layer for one token. x: [B, D] f32; st: {"conv": [B, C, D], "gla": [B, H, K, V]}."""
     cdt = jnp.dtype(cfg.compute_dtype)
-    xn = _layer_norm(x, lp["attn_norm"], cfg.norm_eps)
+    xn = layer_norm(x, lp["attn_norm"], cfg.norm_eps)
     window = jnp.concatenate([st["conv"][:, 1:], xn[:, None].astype(F32)], axis=1)
     u = jax.nn.silu(jnp.einsum("bcd,cd->bd", window, lp["conv_w"]) + lp["conv_b"])
     qkvg = _dense(u, lp["w_qkvg"], cfg).astype(cdt)
@@ -305,7 +299,7 @@ def _embed(params: Params, tokens: Array) -> Array:
 
 def _logits(cfg: ModelConfig, params: Params, x: Array) -> Array:
     cdt = jnp.dtype(cfg.compute_dtype)
-    xn = _layer_norm(x, params["final_norm"], cfg.norm_eps).astype(cdt)
+    xn = layer_norm(x, params["final_norm"], cfg.norm_eps).astype(cdt)
     return _dense(xn, params["lm_head"], cfg, F32)     # logits stay float32 for the loss / sampling
 
 

@@ -1,11 +1,12 @@
-"""The ops with hand-written backward passes (ops.glu.swiglu, ops.split.split_last) against
-autodiff of the plain formula, and the form of their backward."""
+"""The ops with hand-written backward passes (ops.glu.swiglu, ops.norm.layer_norm, ops.split.split_last)
+against autodiff of the plain formula, and the form of their backward."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from laplace_jax.ops.glu import swiglu
+from laplace_jax.ops.norm import layer_norm
 from laplace_jax.ops.split import split_last
 
 
@@ -34,6 +35,33 @@ def test_swiglu_cotangent_is_built_once_behind_a_barrier():
     ours = grad(swiglu)
     assert ours.count("concatenate") == 1 and ours.count("optimization_barrier") == 1
     assert "optimization_barrier" not in grad(_plain)   # the check can fail: the plain form has none
+
+
+def _plain_layer_norm(x, scale, eps):
+    mean = x.mean(-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(jnp.square(x - mean).mean(-1, keepdims=True) + eps) * scale
+
+
+def test_layer_norm_value_and_grads_match_autodiff():
+    x = 3 + 2 * jax.random.normal(jax.random.PRNGKey(0), (3, 5, 64), jnp.float32)
+    scale = 1 + 0.1 * jax.random.normal(jax.random.PRNGKey(1), (64,), jnp.float32)
+    w = jax.random.normal(jax.random.PRNGKey(2), (3, 5, 64), jnp.float32)
+    np.testing.assert_allclose(np.asarray(layer_norm(x, scale, 1e-5)),
+                               np.asarray(_plain_layer_norm(x, scale, 1e-5)), rtol=1e-5, atol=1e-5)
+    loss = lambda f: lambda x, s: jnp.sum(jnp.sin(f(x, s, 1e-5)) * w)  # noqa: E731
+    got = jax.grad(loss(layer_norm), argnums=(0, 1))(x, scale)
+    ref = jax.grad(loss(_plain_layer_norm), argnums=(0, 1))(x, scale)
+    for name, a, b in zip(("x", "scale"), got, ref):
+        assert a.dtype == b.dtype == jnp.float32, name
+        assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 1e-5, name
+
+
+def test_layer_norm_backward_takes_three_row_reductions():
+    """mean(ĝ), mean(ĝ x̂) and d scale's sum over rows; autodiff of the plain form takes five."""
+    x, scale = jnp.ones((4, 64)), jnp.ones((64,))
+    count = lambda f: str(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(f(x, scale, 1e-5))))(x)).count(  # noqa: E731
+        "reduce_sum") - 3                  # the forward's mean and variance, the loss's sum
+    assert (count(layer_norm), count(_plain_layer_norm)) == (3, 5)
 
 
 def test_split_last_matches_jnp_split_and_builds_the_cotangent_once():
