@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Every GPU row of BENCHMARKS.md, one device-tool call (<= 600 s) per part:
 #   bash benchmarks/gpu_all.sh gla   OUT   # GLA: fla vs the XLA and Pallas forms (fla's first Triton autotuning: ~160 s)
-#   bash benchmarks/gpu_all.sh train OUT   # 3B training on 1 GPU (loop vs scan over layers) and on all GPUs; JAX decode/prefill
+#   bash benchmarks/gpu_all.sh ops   OUT   # per-op micro-benchmark: the gated mix (XLA vs Pallas), the GLU backward (~60 s)
+#   bash benchmarks/gpu_all.sh train OUT   # 3B training on 1 GPU (Pallas vs XLA gated mix) and on all GPUs; JAX decode/prefill
 #   bash benchmarks/gpu_all.sh serve OUT   # 3B through vLLM (after ../shared/tools/vllm-gpu installed it)
 # Wheels the GPU image lacks (fla-core, einops) are installed from .whl/ when present. Each part
 # runs under its own time limit so one hang cannot eat the whole call; logs land in OUT.
 set -uo pipefail
-part=${1:?gla, train or serve}; out=${2:?output folder}
+part=${1:?gla, ops, train or serve}; out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -19,9 +20,12 @@ bench() { timeout "$1" python3 -m laplace_jax.bench "${@:2}"; }
 case $part in
 gla)
     CUDA_VISIBLE_DEVICES=0 bench 540 --parts gla --reps 7 --fla-timeout 300 --out "$out/gla" > "$out/gla.log" 2>&1 ;;
+ops)
+    CUDA_VISIBLE_DEVICES=0 PYTHONPATH=.:${PYTHONPATH:-} timeout 300 python3 benchmarks/gpu_ops_micro.py \
+        > "$out/micro.log" 2>&1 ;;
 train)
-    # the 3B config's unrolled layers compile in ~45 s per shape: two variants x (A=1, A=2) ~ 4 min
-    CUDA_VISIBLE_DEVICES=0 bench 300 --parts train --micro-batches 16,16:scan_layers=true \
+    # the 3B config's unrolled layers compile in ~30-45 s per shape: two variants x (A=1, A=2) ~ 4 min
+    CUDA_VISIBLE_DEVICES=0 bench 300 --parts train --micro-batches 16,16:mix_impl=xla \
         --reps 3 --profile --out "$out/one" > "$out/one.log" 2>&1
     CUDA_VISIBLE_DEVICES=0 bench 120 --parts decode --decode-widths 16,256,1280 --long-prompts 2048,8192 \
         --reps 3 --out "$out/decode" > "$out/decode.log" 2>&1
@@ -33,7 +37,7 @@ serve)
     export PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} VLLM_USE_FLASHINFER_SAMPLER=0 CUDA_VISIBLE_DEVICES=0
     timeout 540 python3 -m export.serve_bench --out "$out/serve" --skip-long > "$out/serve.log" 2>&1
     grep "ROW" "$out/serve.log" | cut -c1-200 ;;
-*) echo "usage: $0 gla|train|serve OUT" >&2; exit 2 ;;
+*) echo "usage: $0 gla|ops|train|serve OUT" >&2; exit 2 ;;
 esac
 rm -f "$out"/*/bench.md
-grep -h "^\[bench\]" "$out"/*.log 2>/dev/null | cut -c1-260
+grep -h "^\[bench\]\|^\[micro\]" "$out"/*.log 2>/dev/null | cut -c1-260

@@ -30,6 +30,21 @@ def test_bench_smoke(tmp_path):
     assert step["value"] > 0 and "x micro(2 seq)" in step["item"]
 
 
+def test_ops_micro_benchmark_smoke():
+    """benchmarks/gpu_ops_micro.py --smoke on CPU: every case runs, and the Pallas mix and the GLU
+    forms agree with their references."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    p = subprocess.run([sys.executable, "benchmarks/gpu_ops_micro.py", "--smoke"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [line for line in p.stdout.splitlines() if line.startswith("[micro]")]
+    timed = [r for r in rows if " ms  x" in r]
+    assert len(timed) == 2 * 2 + 2 and not any("failed" in r for r in rows), p.stdout
+    errs = [float(r.rsplit(" ", 1)[1]) for r in rows if "relative" in r]
+    assert len(errs) == 2 and max(errs) < 1e-3, rows
+
+
 def _check_rows(out_dir, stdout, want):
     md = (out_dir / "bench.md").read_text()
     assert md in stdout
