@@ -61,9 +61,10 @@ def test_gradients_match_autodiff_of_the_xla_form():
         assert rel(got, want) <= 1e-5, name
 
 
-def test_bf16_keeps_dtypes_and_matches_the_xla_form():
+@pytest.mark.parametrize("o_dtype", [jnp.bfloat16, jnp.float32])   # f32: a decode step's GLA output
+def test_bf16_keeps_dtypes_and_matches_the_xla_form(o_dtype):
     ins = [jnp.asarray(t) for t in make(seed=3)]
-    ins[:5] = [t.astype(jnp.bfloat16) for t in ins[:5]]
+    ins[:5] = [t.astype(jnp.bfloat16) for t in ins[:4]] + [ins[4].astype(o_dtype)]
     dy = jnp.asarray(np.random.default_rng(4).standard_normal((N, H, V)), jnp.bfloat16)
 
     def fwd_bwd(fn):

@@ -9,6 +9,8 @@ this XLA form or the fused Pallas kernels of `ops.mix_pallas` (`impl`, as `chunk
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -45,10 +47,6 @@ def gated_mix(q: Array, k: Array, v: Array, g: Array, o: Array, aug_balance: Arr
     if impl == "pallas":
         from laplace_jax.ops import mix_pallas  # Pallas is imported only where it is asked for
 
-        *lead, H, K = q.shape
-        n = 1
-        for d in lead:
-            n *= d
-        if mix_pallas.supported(n, K, v.shape[-1]) is None:
+        if mix_pallas.supported(math.prod(q.shape[:-2]), q.shape[-1], v.shape[-1]) is None:
             return mix_pallas.gated_mix_pallas(q, k, v, g, o, aug_balance, head_norm, eps)
     return gated_mix_xla(q, k, v, g, o, aug_balance, head_norm, eps)
