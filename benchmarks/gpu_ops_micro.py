@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from laplace_jax.bench import _median_time
 from laplace_jax.ops import glu
 from laplace_jax.ops.mix import gated_mix_xla
 from laplace_jax.ops.mix_pallas import gated_mix_pallas
@@ -33,17 +32,8 @@ ITERS, REPS = 20, 5
 
 
 def _time(fn, *args) -> float:
-    iters, reps = ITERS, REPS
-    out = fn(*args)
-    jax.block_until_ready(out)
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t0) / iters)
-    return statistics.median(ts) * 1e3
+    """Median ms per call of fn(*args) (bench's timer: ITERS back-to-back calls, REPS blocks)."""
+    return _median_time(lambda: fn(*args), jax.block_until_ready, ITERS, REPS, warmup=1)[0] * 1e3
 
 
 def _group(name: str, cases: dict, args) -> None:

@@ -132,6 +132,7 @@ class Config:
     name: str = "laplace"
 
 
+PALLAS_IMPL_KEYS = ("gla_impl", "mix_impl")   # model keys choosing between XLA and Pallas GPU kernels
 _REMAT = ("none", "full", "dots", "dots_no_batch", "dots_gla", "dots_acts")
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -164,10 +165,9 @@ def validate(cfg: Config) -> Config:
     _check(m.t_max >= m.t_min, f"model.t_max={m.t_max} < model.t_min={m.t_min}: t_max must be >= t_min")
     _check(m.remat in _REMAT, f"model.remat={m.remat!r}: choose one of {_REMAT}")
     _check(m.gla_hand_off in ("scan", "matmul"), f"model.gla_hand_off={m.gla_hand_off!r}: choose 'scan' or 'matmul'")
-    _check(m.gla_impl in ("auto", "xla", "pallas"),
-           f"model.gla_impl={m.gla_impl!r}: choose 'auto', 'xla' or 'pallas'")
-    _check(m.mix_impl in ("auto", "xla", "pallas"),
-           f"model.mix_impl={m.mix_impl!r}: choose 'auto', 'xla' or 'pallas'")
+    for key in PALLAS_IMPL_KEYS:
+        _check(getattr(m, key) in ("auto", "xla", "pallas"),
+               f"model.{key}={getattr(m, key)!r}: choose 'auto', 'xla' or 'pallas'")
     _check(m.dense_output in ("compute", "float32"),
            f"model.dense_output={m.dense_output!r}: choose 'compute' or 'float32'")
     _check(m.compute_dtype in _DTYPES, f"model.compute_dtype={m.compute_dtype!r}: choose one of {_DTYPES}")
@@ -185,7 +185,7 @@ def validate(cfg: Config) -> Config:
            f"optim.muon_comm_dtype={o.muon_comm_dtype!r}: choose one of {_DTYPES}")
     t = cfg.train
     _check(t.grad_sync in ("step", "micro"), f"train.grad_sync={t.grad_sync!r}: choose 'step' or 'micro'")
-    for key in ("gla_impl", "mix_impl"):
+    for key in PALLAS_IMPL_KEYS:
         _check(not (getattr(m, key) == "pallas" and t.grad_sync == "micro"),
                f"model.{key}=pallas with train.grad_sync=micro: Pallas kernels have no GSPMD partitioning "
                f"rule; set train.grad_sync=step or model.{key}=auto")

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from laplace_jax.config import Config
+from laplace_jax.config import PALLAS_IMPL_KEYS, Config
 from laplace_jax.model import forward
 from laplace_jax.optim.muon import shard_map_compat
 from laplace_jax.optim.optimizer import is_muon_path, key_name
@@ -40,7 +40,7 @@ F32 = jnp.float32
 def for_gspmd(cfg: Config) -> Config:
     """cfg for code that XLA partitions itself (GSPMD): gla_impl and mix_impl "auto" → "xla" (see the
     module doc)."""
-    auto = {key: "xla" for key in ("gla_impl", "mix_impl") if getattr(cfg.model, key) == "auto"}
+    auto = {key: "xla" for key in PALLAS_IMPL_KEYS if getattr(cfg.model, key) == "auto"}
     if not auto:
         return cfg
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **auto))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from laplace_jax.ops.impl import kernel_impl
 from laplace_jax.ops.matmul import mixed_matmul as _mm
 
 Array = jax.Array
@@ -136,10 +137,7 @@ def chunk_simple_gla(q: Array, k: Array, v: Array, g_gamma: Array, *, num_chunks
     """
     if hand_off not in ("scan", "matmul"):
         raise ValueError(f"chunk_simple_gla: hand_off={hand_off!r}: choose 'scan' or 'matmul'")
-    if impl not in ("xla", "pallas", "auto"):
-        raise ValueError(f"chunk_simple_gla: impl={impl!r}: choose 'xla', 'pallas' or 'auto'")
-    if impl == "auto":
-        impl = "pallas" if jax.default_backend() == "gpu" else "xla"
+    impl = kernel_impl("chunk_simple_gla", impl)
     B, T, H, K = q.shape
     if num_chunks is not None and chunk_size is not None:
         raise ValueError("chunk_simple_gla: give num_chunks or chunk_size, not both")

@@ -14,6 +14,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from laplace_jax.ops.impl import kernel_impl
+
 Array = jax.Array
 F32 = jnp.float32
 
@@ -40,11 +42,7 @@ def gated_mix(q: Array, k: Array, v: Array, g: Array, o: Array, aug_balance: Arr
     """The gated mix (module doc). `impl="pallas"` runs `ops.mix_pallas` (one fused kernel each way;
     GPUs, interpreted on CPU) where the shape allows and this XLA form elsewhere (e.g. a decode step
     of a few tokens); `impl="auto"` is "pallas" on GPUs and "xla" on every other backend."""
-    if impl not in ("xla", "pallas", "auto"):
-        raise ValueError(f"gated_mix: impl={impl!r}: choose 'xla', 'pallas' or 'auto'")
-    if impl == "auto":
-        impl = "pallas" if jax.default_backend() == "gpu" else "xla"
-    if impl == "pallas":
+    if kernel_impl("gated_mix", impl) == "pallas":
         from laplace_jax.ops import mix_pallas  # Pallas is imported only where it is asked for
 
         if mix_pallas.supported(math.prod(q.shape[:-2]), q.shape[-1], v.shape[-1]) is None:

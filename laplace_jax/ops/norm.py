@@ -28,8 +28,7 @@ def _moments(x: Array, eps: float) -> tuple[Array, Array]:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def layer_norm(x: Array, scale: Array, eps: float) -> Array:
     """x [..., D], scale [D] → x̂ ⊙ scale [..., D] float32, x̂ = (x - mean) r."""
-    mean, r = _moments(x, eps)
-    return (x.astype(F32) - mean) * r * scale
+    return _fwd(x, scale, eps)[0]
 
 
 def _fwd(x: Array, scale: Array, eps: float) -> tuple[Array, tuple[Array, ...]]:
