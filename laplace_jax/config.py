@@ -83,7 +83,7 @@ class OptimConfig:
     ns_steps: int = 5
     muon_eps: float = 1e-7
     muon_scale: str = "moonlight"    # moonlight: 0.2*sqrt(max(m,n)) | spectral: sqrt(max(1, rows/cols))
-    muon_comm: str = "all_to_all"    # all_to_all | gather (the article's baseline) | local (wrong; tests only)
+    muon_comm: str = "all_to_all"    # all_to_all | gather (the article's baseline); one FSDP rank: no collective
     muon_comm_dtype: str = "bfloat16"
 
 
@@ -179,8 +179,8 @@ def validate(cfg: Config) -> Config:
     _check(o.ns_steps > 0, f"optim.ns_steps={o.ns_steps}: must be positive")
     _check(o.muon_scale in ("moonlight", "spectral"),
            f"optim.muon_scale={o.muon_scale!r}: choose 'moonlight' or 'spectral'")
-    _check(o.muon_comm in ("all_to_all", "gather", "local"),
-           f"optim.muon_comm={o.muon_comm!r}: choose 'all_to_all', 'gather' or 'local'")
+    _check(o.muon_comm in ("all_to_all", "gather"),
+           f"optim.muon_comm={o.muon_comm!r}: choose 'all_to_all' or 'gather'")
     _check(o.muon_comm_dtype in _DTYPES,
            f"optim.muon_comm_dtype={o.muon_comm_dtype!r}: choose one of {_DTYPES}")
     t = cfg.train

@@ -166,6 +166,48 @@ class _Stop:
             signal.signal(s, h)
 
 
+@dataclasses.dataclass
+class TrainProgram:
+    """What a run computes, apart from data and checkpoints: the batch geometry, the parameter and
+    optimizer-state shapes with their shardings, the optimizer, and the jitted step. `train` runs it;
+    tests trace it at full scale (`abstract_args`) without allocating."""
+
+    cfg: Config
+    mesh: Mesh
+    layout: RunLayout
+    shapes: Any                      # parameter ShapeDtypeStructs
+    param_sh: Any
+    opt_shapes: Any
+    opt_sh: Any
+    batch_sh: Any                    # [A, M, S] batches: M over every device
+    tx: optax.GradientTransformation
+    report: Any                      # the optimizer's group assignment (printed at start)
+    step_fn: Callable                # jitted (params, opt_state, batch) -> (params, opt_state, metrics)
+
+    def abstract_args(self) -> tuple[Any, Any, dict[str, jax.ShapeDtypeStruct]]:
+        """(params, opt_state, batch) as sharded ShapeDtypeStructs: `step_fn.lower(*abstract_args())`."""
+        placed = lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)  # noqa: E731
+        L = self.layout
+        batch = {k: jax.ShapeDtypeStruct((L.accum, L.micro, L.seq_len), np.int32, sharding=self.batch_sh)
+                 for k in ("inputs", "targets")}
+        return (jax.tree.map(placed, self.shapes, self.param_sh),
+                jax.tree.map(placed, self.opt_shapes, self.opt_sh), batch)
+
+
+def build_program(cfg: Config, mesh: Mesh, processes: int = 1) -> TrainProgram:
+    """The train step of `cfg` on `mesh` (cfg already resolved for the platform, e.g. `neuron_mode`)."""
+    layout = RunLayout.from_config(cfg, mesh.size, processes)
+    shapes = param_shapes(cfg.model)
+    p_sh = param_shardings(shapes, mesh)
+    tx, report = build_optimizer(cfg.optim, shapes, mesh=mesh)
+    o_shapes = jax.eval_shape(tx.init, shapes)
+    o_sh = opt_state_shardings(o_shapes, mesh)
+    b_sh = batch_sharding(mesh, 3, batch_axis=1)
+    step_fn = jax.jit(make_train_step(cfg, tx, mesh), in_shardings=(p_sh, o_sh, b_sh),
+                      out_shardings=(p_sh, o_sh, replicated(mesh)), donate_argnums=(0, 1))
+    return TrainProgram(cfg, mesh, layout, shapes, p_sh, o_shapes, o_sh, b_sh, tx, report, step_fn)
+
+
 def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: bool = False) -> dict[str, Any]:
     """Train (or resume) in `run_dir` until `steps` (default cfg.train.steps). Returns a summary."""
     if is_neuron(cfg):  # platform=neuron or neuron_mode=true: unrolled graphs, rbg PRNG, host-CPU init
@@ -176,8 +218,9 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
     pid, nproc = jax.process_index(), jax.process_count()
     is_main = pid == 0 and not quiet
     data_dir = resolve_data_dir(cfg.data.path, val_fraction=cfg.data.val_fraction)
-    mesh = make_mesh(cfg.mesh)
-    layout = RunLayout.from_config(cfg, mesh.size, nproc)
+    prog = build_program(cfg, make_mesh(cfg.mesh), nproc)
+    mesh, layout, shapes, tx, report = prog.mesh, prog.layout, prog.shapes, prog.tx, prog.report
+    p_sh, o_sh, b_sh = prog.param_sh, prog.opt_sh, prog.batch_sh
     per_proc = layout.seqs_per_step // nproc
     data_iter = make_train_iterator(data_dir, seq_len=layout.seq_len, batch_size=per_proc,
                                     seed=cfg.data.shuffle_seed, process_index=pid, process_count=nproc,
@@ -186,14 +229,7 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
     eval_batches = make_eval_batches(data_dir, seq_len=layout.seq_len, batch_size=layout.micro // nproc,
                                      num_batches=cfg.train.eval_batches, vocab_size=cfg.model.vocab_size,
                                      process_index=pid, process_count=nproc)
-
-    shapes = param_shapes(cfg.model)
-    p_sh = param_shardings(shapes, mesh)
-    tx, report = build_optimizer(cfg.optim, shapes, mesh=mesh)
-    o_shapes = jax.eval_shape(tx.init, shapes)
-    o_sh = opt_state_shardings(o_shapes, mesh)
     rep = replicated(mesh)
-    b_sh = batch_sharding(mesh, 3, batch_axis=1)
     schedule = make_schedule(cfg.optim)
 
     mngr = ckpt.make_manager(run_dir, keep=cfg.train.keep_ckpts, async_save=cfg.train.async_ckpt)
@@ -201,9 +237,8 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
     latest = mngr.latest_step()
     if latest is not None:
         ckpt.check_compatible(run_dir, latest, cfg)
-        placed = lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)  # noqa: E731
-        abs_p = jax.tree.map(placed, shapes, p_sh)
-        abs_t = {"opt_state": jax.tree.map(placed, o_shapes, o_sh),
+        abs_p, abs_o, _ = prog.abstract_args()
+        abs_t = {"opt_state": abs_o,
                  "step": np.zeros((), np.int32),
                  "rng": np.zeros(jax.eval_shape(jax.random.PRNGKey, 0).shape, np.uint32)}  # (4,) with rbg
         params, tstate = ckpt.restore(mngr, run_dir, latest, abs_p, abs_t, data_iter)
@@ -221,8 +256,7 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
-    step_fn = jax.jit(make_train_step(cfg, tx, mesh), in_shardings=(p_sh, o_sh, b_sh),
-                      out_shardings=(p_sh, o_sh, rep), donate_argnums=(0, 1))
+    step_fn = prog.step_fn
     eval_sh = batch_sharding(mesh, 2)
     eval_cfg = for_gspmd(cfg)  # the eval batch is sharded by XLA, not inside a shard_map
     eval_fn = jax.jit(lambda p, b: loss_fn(p, b, eval_cfg), in_shardings=(p_sh, eval_sh), out_shardings=rep)

@@ -10,9 +10,10 @@ Pipeline for each Muon leaf ``[L, m, n]`` (stored ``[in, out]``; a 2-D ``[m, n]`
 3. Orthogonalisation of every ``[m, n]`` slice on its owner (`orthogonalize`): Frobenius
    normalisation (float32 sum, ``+ eps``), transpose when ``m > n``, ``ns_steps`` quintic steps
    ``X <- aX + (bA + cA^2)X, A = XX^T`` with bf16 operands and float32 accumulation, result in bf16.
-   ``comm``: ``"all_to_all"`` (default), ``"gather"`` (the article's baseline: all_gather of the
-   gradients, owner NS, broadcast) or ``"local"`` (shard-local NS -- WRONG, it only sees a diagonal
-   block of XX^T; exists for the test that shows why the all_to_all is needed).
+   ``comm``: ``"all_to_all"`` (default) or ``"gather"`` (the article's baseline: all_gather of the
+   gradients, owner NS, broadcast). With one FSDP rank both are the reference path itself: the
+   rank owns every whole matrix, so no collective is emitted and nothing is packed into a send
+   buffer (packing all 96 matrices of the 3B model would need one 2.7e9-element buffer).
 4. Shape scale: ``moonlight`` = ``0.2*sqrt(max(m, n))`` (default: matches AdamW's update RMS, so
    Muon shares AdamW's learning rate and schedule), or ``spectral`` = ``sqrt(max(1, n/m))``
    (fan_out/fan_in with ``[in, out]`` storage).
@@ -34,8 +35,10 @@ from jax.sharding import PartitionSpec as P
 
 from .plan import MuonPlan, make_plan
 
+INT32_MAX = 2**31 - 1
+
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
-COMMS = ("all_to_all", "gather", "local")
+COMMS = ("all_to_all", "gather")
 
 
 # ----------------------------------------------------------------------------- Newton–Schulz
@@ -168,11 +171,6 @@ def _gather_body(plan: MuonPlan, axis: str, steps: int, eps: float, comm_dtype, 
     return tuple(res)
 
 
-def _local_body(steps: int, eps: float, comm_dtype, *xs):
-    """WRONG on purpose: Newton–Schulz on each rank's row block only."""
-    return tuple(orthogonalize_stack(x, steps, eps).astype(comm_dtype) for x in xs)
-
-
 # ----------------------------------------------------------------------------- group orthogonalisation
 
 def _mesh_size(mesh, axis: str) -> int:
@@ -186,24 +184,24 @@ def orthogonalize(stacks: dict[str, jax.Array], *, ns_steps: int = 5, eps: float
 
     With ``mesh=None`` everything runs here (the reference). With a mesh, each stack is taken as
     sharded ``P(None, fsdp_axis, None)`` (other mesh axes replicate) and ``comm`` picks the
-    collective scheme; the result is bit-identical to ``mesh=None`` for ``all_to_all`` and ``gather``.
+    collective scheme; the result is bit-identical to ``mesh=None``. A mesh whose ``fsdp_axis`` has
+    one rank runs the reference path (every comm is then the identity).
     """
     if comm not in COMMS:
         raise ValueError(f"comm={comm!r}: choose one of {COMMS}")
     cdt = jnp.dtype(comm_dtype)
     names = list(stacks)
     xs = [stacks[k].astype(cdt) for k in names]          # the wire cast, same point on every path
-    if mesh is None:
+    if mesh is None or _mesh_size(mesh, fsdp_axis) == 1:
         outs = [orthogonalize_stack(x, ns_steps, eps).astype(cdt) for x in xs]
     else:
-        N = _mesh_size(mesh, fsdp_axis)
-        plan = make_plan([(k, x.shape) for k, x in zip(names, xs)], N)
-        if comm == "all_to_all":
-            body = functools.partial(_a2a_body, plan, fsdp_axis, ns_steps, eps, cdt)
-        elif comm == "gather":
-            body = functools.partial(_gather_body, plan, fsdp_axis, ns_steps, eps, cdt)
-        else:
-            body = functools.partial(_local_body, ns_steps, eps, cdt)
+        plan = make_plan([(k, x.shape) for k, x in zip(names, xs)], _mesh_size(mesh, fsdp_axis))
+        if comm == "all_to_all" and plan.chunk > INT32_MAX:   # the body's offsets are int32
+            raise ValueError(f"Muon all_to_all: {plan.chunk:,} elements per (source, owner) chunk exceed "
+                             f"int32 offsets at {plan.n_ranks} FSDP ranks; use more FSDP ranks or "
+                             f"optim.muon_comm=gather")
+        body_fn = _a2a_body if comm == "all_to_all" else _gather_body
+        body = functools.partial(body_fn, plan, fsdp_axis, ns_steps, eps, cdt)
         spec = P(None, fsdp_axis, None)
         specs = tuple(spec for _ in xs)
         outs = list(shard_map_compat(body, mesh, specs, specs)(*xs))

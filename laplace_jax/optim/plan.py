@@ -165,8 +165,9 @@ def muon_traffic_bytes(shapes: Mapping[str, Any] | Iterable[tuple[str, Any]], n_
     plan = make_plan(shapes, n_ranks)
     nb = DTYPE_BYTES[comm_dtype]
     N = plan.n_ranks
-    a2a = 2 * N * plan.chunk * nb
-    gather = 2 * plan.total_elements * nb
+    # One rank owns every matrix already: no collective runs (muon.orthogonalize).
+    a2a = 2 * N * plan.chunk * nb if N > 1 else 0
+    gather = 2 * plan.total_elements * nb if N > 1 else 0
     useful = plan.rank_flops(ns_steps)
     mean = sum(useful) / N
     largest = max(kd.size for kd in plan.kinds)
@@ -178,7 +179,7 @@ def muon_traffic_bytes(shapes: Mapping[str, Any] | Iterable[tuple[str, Any]], n_
         "muon_params": plan.total_elements,
         "all_to_all_bytes": a2a,
         "gather_bytes": gather,
-        "ratio": gather / a2a if a2a else float("inf"),
+        "ratio": gather / a2a if a2a else 1.0,
         "chunk_elements": plan.chunk,
         # per-rank all_to_all operand over the unpadded share (sum of sizes / N); article: 128/96
         "wire_padding": N * N * plan.chunk / plan.total_elements if plan.total_elements else 1.0,

@@ -126,7 +126,7 @@ def run(config: str, n_ranks: int, comm_dtype: str | None = None) -> dict[str, A
         "config": cfg.name, "n_ranks": n_ranks, "comm_dtype": cdt,
         "n_matrices": ana["n_matrices"], "muon_params": ana["muon_params"],
         "all_to_all": a2a, "gather": gat,
-        "ratio": gat["bytes_at_comm_dtype"] / a2a["bytes_at_comm_dtype"],
+        "ratio": ana["ratio"] if n_ranks == 1 else gat["bytes_at_comm_dtype"] / a2a["bytes_at_comm_dtype"],
         "analytic": ana,
         "ns_flops_max_over_mean": ana["ns_flops_max_over_mean"],
         "ns_flops_executed_over_mean": ana["ns_flops_executed_over_mean"],
