@@ -396,7 +396,7 @@ def test_pipeline_rejects_ids_beyond_vocab(small_data, tmp_path):
     with pytest.raises(DataError, match=r"holds token id 50256 >= model vocab_size 1000") as e:
         pipeline.make_train_iterator(out, seq_len=16, batch_size=2, seed=0, vocab_size=1000)
     assert "\n" not in str(e.value) and "laplace_jax.data.prepare" in str(e.value)
-    # a corrupted shard holding an out-of-range id
+    # a corrupted shard holding an out-of-range id: reported when its window is read
     bad = tmp_path / "bad"
     bad.mkdir()
     for f in out.iterdir():
@@ -405,8 +405,154 @@ def test_pipeline_rejects_ids_beyond_vocab(small_data, tmp_path):
     arr = np.fromfile(bad / "train_00001.bin", dtype="<u2")
     arr[17] = 60000
     arr.tofile(bad / "train_00001.bin")
-    with pytest.raises(DataError, match=r"train_00001.bin holds token id 60000 >= model vocab_size 50304"):
-        pipeline.make_train_iterator(bad, seq_len=16, batch_size=2, seed=0, vocab_size=VOCAB)
+    msg = r"train_00001.bin holds token id 60000 >= model vocab_size 50304 at token 17,.*corrupt.*--force`$"
+    src = pipeline.TokenWindows(bad, "train", seq_len=16, vocab_size=VOCAB)
+    with pytest.raises(DataError, match=msg) as e:
+        src[(1000 + 17) // 16]   # stream position 1017: shard 0 holds 1000 tokens
+    assert "\n" not in str(e.value)
+    it = pipeline.make_train_iterator(bad, seq_len=16, batch_size=2, seed=0, vocab_size=VOCAB)
+    with pytest.raises(DataError, match=msg[:-1]) as e:   # through grain's threads, within one epoch
+        for _ in range(len(src) // 2):
+            next(it)
+    assert "\n" not in str(e.value)   # grain adds a traceback note, not part of the message
+
+
+# ----------------------------------------------------------------------------- start-up cost, scale
+
+def _synthetic(folder: Path, sizes: list[int], *, seed: int = 0, **manifest) -> tuple[Path, np.ndarray]:
+    """A prepared folder written directly: train shards of `sizes` random ids < 50000, a small val.
+
+    Returns (folder, the train stream uint16 [sum(sizes)]). Random windows of 17 ids are distinct,
+    so a batch row identifies its window.
+    """
+    folder.mkdir(parents=True)
+    stream = np.random.default_rng(seed).integers(0, 50000, size=sum(sizes), dtype=np.uint16)
+    ends = np.cumsum(sizes)
+    shards = []
+    for i, (s, e) in enumerate(zip(ends - sizes, ends)):
+        stream[s:e].astype("<u2").tofile(folder / f"train_{i:05d}.bin")
+        shards.append({"file": f"train_{i:05d}.bin", "tokens": int(e - s)})
+    stream[:100].astype("<u2").tofile(folder / "val_00000.bin")
+    m = {"format": prep.FORMAT, "dtype": prep.DTYPE, "max_token_id": 50256,
+         "splits": {"train": {"tokens": int(ends[-1]), "shards": shards},
+                    "val": {"tokens": 100, "shards": [{"file": "val_00000.bin", "tokens": 100}]}}, **manifest}
+    (folder / prep.MANIFEST).write_text(json.dumps({k: v for k, v in m.items() if v is not None}))
+    return folder, stream
+
+
+def _corrupt_all_but(folder: Path, stream: np.ndarray, keep: list[int], seq_len: int) -> Path:
+    """A copy of `folder` whose every train token outside windows `keep` is 65535 (out of vocab)."""
+    import shutil
+
+    bad = stream.copy()
+    mask = np.ones(bad.size, bool)
+    for k in keep:
+        mask[k * seq_len:k * seq_len + seq_len + 1] = False
+    bad[mask] = 65535
+    out = folder.with_name(folder.name + f"_bad{len(keep)}_{keep[0]}")
+    shutil.copytree(folder, out)
+    m = json.loads((out / prep.MANIFEST).read_text())
+    pos = 0
+    for s in m["splits"]["train"]["shards"]:
+        bad[pos:pos + s["tokens"]].astype("<u2").tofile(out / s["file"])
+        pos += s["tokens"]
+    return out
+
+
+def test_pipeline_start_and_resume_read_no_shard_content(tmp_path):
+    """Start-up, restore and a batch read only that batch's windows: every other token is out of vocab.
+
+    (The old start-up scanned every shard, which would raise here before the first batch.)
+    """
+    L, B = 16, 4
+    clean, stream = _synthetic(tmp_path / "c", [700, 700, 700])
+    windows = np.stack([stream[k * L:k * L + L + 1] for k in range((stream.size - 1) // L)]).astype(np.int32)
+    kw = dict(seq_len=L, batch_size=B, seed=3, vocab_size=VOCAB)
+    it = pipeline.make_train_iterator(clean, **kw)
+    first = next(it)
+    for _ in range(4):
+        next(it)
+    state = pipeline.iterator_state(it)
+    sixth = next(it)
+
+    bad = _corrupt_all_but(clean, stream, _window_ids(first, windows), L)
+    it = pipeline.make_train_iterator(bad, **kw)
+    assert np.array_equal(next(it)["inputs"], first["inputs"])
+    with pytest.raises(DataError, match=r"holds token id 65535 >= model vocab_size"):
+        next(it)   # the second batch's windows are corrupt: the check does run on read
+
+    bad = _corrupt_all_but(clean, stream, _window_ids(sixth, windows), L)
+    it = pipeline.restore_iterator(pipeline.make_train_iterator(bad, **kw), state)
+    assert np.array_equal(next(it)["inputs"], sixth["inputs"])
+    with pytest.raises(DataError, match=r"train_0000\d.bin holds token id 65535"):
+        next(it)
+
+
+def test_pipeline_manifest_max_token_id(tmp_path):
+    kw = dict(seq_len=16, batch_size=2, seed=0, vocab_size=VOCAB)
+    # shards hold only ids < 50000, but the manifest says 50400 >= 50304: refused before any read
+    d, _ = _synthetic(tmp_path / "big", [500], max_token_id=50400)
+    with pytest.raises(DataError, match=r"records max_token_id 50400: the corpus holds token id 50400 >= "
+                                        r"model vocab_size 50304: re-tokenize") as e:
+        pipeline.make_train_iterator(d, **kw)
+    assert "\n" not in str(e.value)
+    # an older/hand-made manifest without the field: a one-line error naming the fix, no silent scan
+    d, _ = _synthetic(tmp_path / "old", [500], max_token_id=None)
+    with pytest.raises(DataError, match=r"manifest.json lacks max_token_id.*--force`") as e:
+        pipeline.make_train_iterator(d, **kw)
+    assert "\n" not in str(e.value)
+    with pytest.raises(DataError, match="lacks max_token_id"):
+        pipeline.make_eval_batches(d, seq_len=16, batch_size=2, num_batches=1, vocab_size=VOCAB)
+    d, _ = _synthetic(tmp_path / "str", [500], max_token_id="50256")
+    with pytest.raises(DataError, match=r"has max_token_id '50256', not a non-negative integer"):
+        pipeline.make_train_iterator(d, **kw)
+
+
+def test_window_pieces_past_2_31_tokens():
+    """Stream positions of a 100B-token corpus (> 2**31, > 2**32) map to the right shard offsets."""
+    ends = [3 * 2 ** 31, 3 * 2 ** 31, 3 * 2 ** 32, 10 ** 11]   # includes an empty shard
+    assert pipeline.window_pieces(3 * 2 ** 31 - 5, 9, ends) == [(0, 3 * 2 ** 31 - 5, 5), (2, 0, 4)]
+    assert pipeline.window_pieces(10 ** 11 - 2049, 2049, ends) == [(3, 10 ** 11 - 2049 - 3 * 2 ** 32, 2049)]
+    assert pipeline.window_pieces(0, 3, ends) == [(0, 0, 3)]
+    with pytest.raises(IndexError):
+        pipeline.window_pieces(10 ** 11 - 2, 3, ends)
+
+
+def test_pipeline_reads_windows_past_2_31_tokens(tmp_path):
+    """Sparse shards (no disk used) of 5e9 tokens: windows past 2**31 and 2**32 read the right bytes."""
+    d = tmp_path / "huge"
+    d.mkdir()
+    sizes = [3_000_000_001, 2_000_000_000]
+    for i, n in enumerate(sizes):
+        with open(d / f"train_{i:05d}.bin", "wb") as f:
+            f.truncate(2 * n)
+    np.zeros(100, "<u2").tofile(d / "val_00000.bin")
+    last = (sum(sizes) - 1) // 2048 * 2048   # the last window's last token (seq_len 2048)
+    marks = {2 ** 31 + 7: 11, sizes[0] - 1: 12, sizes[0]: 13, 2 ** 32 + 3: 14, last: 15}
+    for pos, value in marks.items():   # stream position → (shard, offset)
+        shard, off = (0, pos) if pos < sizes[0] else (1, pos - sizes[0])
+        with open(d / f"train_{shard:05d}.bin", "r+b") as f:
+            f.seek(2 * off)
+            f.write(np.uint16(value).astype("<u2").tobytes())
+    m = {"format": prep.FORMAT, "dtype": prep.DTYPE, "max_token_id": 50256,
+         "splits": {"train": {"tokens": sum(sizes), "shards": [{"file": f"train_{i:05d}.bin", "tokens": n}
+                                                              for i, n in enumerate(sizes)]},
+                    "val": {"tokens": 100, "shards": [{"file": "val_00000.bin", "tokens": 100}]}}}
+    (d / prep.MANIFEST).write_text(json.dumps(m))
+    L = 2048
+    src = pipeline.TokenWindows(d, "train", seq_len=L, vocab_size=VOCAB)
+    assert src.num_windows == (sum(sizes) - 1) // L
+    for pos, value in marks.items():
+        k = min(pos // L, src.num_windows - 1)
+        w = src[k]
+        assert w[pos - k * L] == value and np.count_nonzero(w) == sum(k * L <= p <= k * L + L for p in marks)
+    # the train iterator starts, and resumes at a step past 2**31, at once; processes still partition it
+    kw = dict(seq_len=L, seed=1, vocab_size=VOCAB)
+    state = {"next_index": 2 ** 31 + 5}
+    one = next(pipeline.restore_iterator(pipeline.make_train_iterator(d, batch_size=4, **kw), state))
+    two = [next(pipeline.restore_iterator(pipeline.make_train_iterator(
+        d, batch_size=2, process_index=p, process_count=2, **kw), state)) for p in (0, 1)]
+    assert np.array_equal(np.concatenate([b["inputs"] for b in two]), one["inputs"])
 
 
 def test_pipeline_missing_or_empty_dir(tmp_path):

@@ -16,6 +16,13 @@ seq_len tokens (stride seq_len); window k's last token is window k+1's first, so
 stream is a target exactly once per epoch. ``num_windows = (tokens - 1) // seq_len``; the tail is
 dropped.
 
+Validation without a scan. Opening a split reads no shard content, so start-up and resume cost the
+same for 1 MB and 200 GB: the manifest's ``max_token_id`` (written by `prepare`) must be below the
+model's ``vocab_size`` (else a `DataError` at once), each shard's file size must match the manifest,
+and each window's ids are checked as it is read (``seq_len + 1`` ints already in memory), so a
+corrupt shard is a `DataError` naming the file when its window comes up. A manifest without
+``max_token_id`` is an error asking to re-run `prepare` (it has always written the field).
+
 Process sharding. With P processes and per-process batch B, global batch s is the elements
 ``s*B*P ... s*B*P + B*P - 1`` of the shuffled stream and process p gets rows ``p*B ... p*B + B - 1``
 of it. So the processes' batches are disjoint, together they are exactly the batch a single process
@@ -24,8 +31,10 @@ with batch_size B*P would see (same rows, same order), and assembling them in pr
 
 State. The returned iterator is a `grain.DatasetIterator`; its state is a small JSON-able dict
 (``{"next_index": n}`` for threads; per-worker states with worker processes). Save/restore it with
-`iterator_state(it)` / `restore_iterator(it, state)`, or inside an orbax `CheckpointManager` with
-grain's handler: ``item_handlers={"data": grain.checkpoint.CheckpointHandler()}`` and
+`iterator_state(it)` / `restore_iterator(it, state)` (O(1): grain recomputes the shuffled indices
+from the position, nothing is replayed; positions are Python ints, so steps past 2**31 are fine),
+or inside an orbax `CheckpointManager` with grain's handler:
+``item_handlers={"data": grain.checkpoint.CheckpointHandler()}`` and
 ``args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it))`` on save,
 ``data=grain.checkpoint.CheckpointRestore(it)`` on restore (it writes one
 ``process_<i>-of-<n>.json`` per process, using jax's process index).
@@ -43,11 +52,13 @@ finalizers print harmless tracebacks at shutdown.
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import grain
 import numpy as np
@@ -60,6 +71,10 @@ _PREPARE_HINT = "python -m laplace_jax.data.prepare --input PATH --out DIR"
 
 def _fix(data_dir: Path) -> str:
     return f"run `{_PREPARE_HINT.replace('DIR', str(data_dir))}` (or leave data.path empty for the demo corpus)"
+
+
+def _reprepare(data_dir: Path) -> str:
+    return f"re-run `{_PREPARE_HINT.replace('DIR', str(data_dir))} --force`"
 
 
 def load_manifest(data_dir: str | os.PathLike[str]) -> dict:
@@ -84,11 +99,47 @@ def load_manifest(data_dir: str | os.PathLike[str]) -> dict:
     return m
 
 
+def manifest_max_token_id(manifest: dict, manifest_path: Path) -> int:
+    """The largest token id of the corpus, as `prepare` recorded it (no shard is read)."""
+    top = manifest.get("max_token_id")
+    if top is None:
+        raise DataError(f"{manifest_path} lacks max_token_id, needed to check token ids against the model's "
+                        f"vocab without reading every shard: {_reprepare(manifest_path.parent)} (or add "
+                        f"\"max_token_id\": <largest id in its shards> to it)")
+    if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+        raise DataError(f"{manifest_path} has max_token_id {top!r}, not a non-negative integer: "
+                        f"{_reprepare(manifest_path.parent)}")
+    return top
+
+
+def window_pieces(start: int, length: int, ends: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Stream tokens [start, start+length) as (shard, offset in shard, count) pieces, in stream order.
+
+    ends: [num_shards] each shard's one-past-last stream position (cumulative token counts). Python
+    ints throughout: a 100B-token corpus's positions exceed 2**31 (and a fixed-width type would be one
+    more thing to get wrong).
+    """
+    i = bisect.bisect_right(ends, start)
+    pos, stop, out = start, start + length, []
+    while pos < stop:
+        if i >= len(ends):
+            raise IndexError(f"tokens [{start}, {stop}) run past the stream's end {ends[-1] if ends else 0}")
+        take = min(stop, ends[i]) - pos
+        if take > 0:   # an empty shard contributes nothing
+            out.append((i, pos - (ends[i - 1] if i else 0), take))
+        pos += take
+        i += 1
+    return out
+
+
 class TokenWindows:
     """Random-access grain source: windows of ``seq_len + 1`` tokens of one split (see module doc).
 
-    Validated on open: manifest present, shard files complete, no token id >= `vocab_size`.
-    Memmaps are opened lazily per process, so the source pickles cheaply into grain workers.
+    Opening reads no shard content (O(1) in the corpus size; one stat per shard): the manifest's
+    `max_token_id` is checked against `vocab_size`, shard files against their recorded sizes. Each
+    window's ids are checked when it is read, so a corrupt shard is a `DataError` naming the file.
+    Shards are read with one pread per piece (no memmaps kept open: a 100B-token corpus has ~1000
+    shards, near the usual 1024 open-file limit), so the source pickles cheaply into grain workers.
     """
 
     def __init__(self, data_dir: str | os.PathLike[str], split: str, *, seq_len: int, vocab_size: int):
@@ -103,53 +154,64 @@ class TokenWindows:
         self.files = [self.data_dir / s["file"] for s in info["shards"]]
         sizes = [int(s["tokens"]) for s in info["shards"]]
         self.num_tokens = int(sum(sizes))
-        self._ends = np.cumsum(sizes, dtype=np.int64)
-        self._starts = self._ends - np.asarray(sizes, dtype=np.int64)
+        self._sizes = sizes
+        self._ends = list(itertools.accumulate(sizes))   # Python ints: no overflow at any corpus size
         if self.num_tokens < self.seq_len + 1:
             raise DataError(f"the {split} split of {self.data_dir} has {self.num_tokens} tokens, fewer than "
                             f"seq_len+1={self.seq_len + 1}: prepare more text or use a shorter seq_len")
         for f, n in zip(self.files, sizes):
             if not f.is_file() or f.stat().st_size != 2 * n:
                 raise DataError(f"shard {f} is missing or truncated (want {n} tokens): "
-                                f"re-run `{_PREPARE_HINT.replace('DIR', str(self.data_dir))} --force`")
-        self._maps: list[np.memmap] | None = None
-        for f, m in zip(self.files, self._memmaps()):
-            top = int(np.max(m))
-            if top >= self.vocab_size:
-                raise DataError(f"shard {f} holds token id {top} >= model vocab_size {self.vocab_size}: "
-                                f"re-tokenize with `{_PREPARE_HINT}` (GPT-2 BPE) or raise model.vocab_size")
+                                f"{_reprepare(self.data_dir)}")
+        self.max_token_id = manifest_max_token_id(self.manifest, self.data_dir / MANIFEST)
+        if self.max_token_id >= self.vocab_size:
+            raise DataError(f"{self.data_dir / MANIFEST} records max_token_id {self.max_token_id}: the "
+                            f"corpus holds token id {self.max_token_id} >= model vocab_size {self.vocab_size}: "
+                            f"re-tokenize with `{_PREPARE_HINT}` (GPT-2 BPE) or raise model.vocab_size")
         self.num_windows = (self.num_tokens - 1) // self.seq_len
-
-    def _memmaps(self) -> list[np.memmap]:
-        if self._maps is None:
-            self._maps = [np.memmap(f, dtype="<u2", mode="r") for f in self.files]
-        return self._maps
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_maps"] = None
-        return state
 
     def __len__(self) -> int:
         return self.num_windows
 
+    def _read(self, shard: int, offset: int, count: int) -> np.ndarray:
+        """uint16 [count]: tokens offset .. offset+count-1 of one shard."""
+        f = self.files[shard]
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            buf = os.pread(fd, 2 * count, 2 * offset)
+        finally:
+            os.close(fd)
+        if len(buf) != 2 * count:
+            raise DataError(f"shard {f} is shorter than its {self._sizes[shard]:,} tokens (token "
+                            f"{offset + len(buf) // 2:,} missing): {_reprepare(self.data_dir)}")
+        return np.frombuffer(buf, dtype="<u2")
+
+    def _check_ids(self, window: np.ndarray, pieces: list[tuple[int, int, int]]) -> None:
+        """`DataError` naming the shard if the window (int32 [seq_len+1]) holds an id >= vocab_size."""
+        if int(window.max()) < self.vocab_size:   # the common case: one max over seq_len+1 ints
+            return
+        j = int(np.argmax(window >= self.vocab_size))
+        bad, pos = int(window[j]), j
+        for shard, offset, count in pieces:   # which piece holds window position j
+            if pos < count:
+                break
+            pos -= count
+        raise DataError(f"shard {self.files[shard]} holds token id {bad} >= model vocab_size {self.vocab_size} "
+                        f"at token {offset + pos:,}, although {MANIFEST} records max_token_id "
+                        f"{self.max_token_id}: the shard is corrupt: {_reprepare(self.data_dir)}")
+
     def __getitem__(self, k: int) -> np.ndarray:
+        """int32 [seq_len + 1]: stream tokens k*seq_len .. k*seq_len + seq_len."""
         k = int(k)
         if not 0 <= k < self.num_windows:
             raise IndexError(f"window {k} out of range [0, {self.num_windows})")
-        start = k * self.seq_len
-        stop = start + self.seq_len + 1
-        maps = self._memmaps()
-        i = int(np.searchsorted(self._ends, start, side="right"))
+        pieces = window_pieces(k * self.seq_len, self.seq_len + 1, self._ends)
         out = np.empty(self.seq_len + 1, dtype=np.int32)
         pos = 0
-        while pos < out.size:
-            lo = start + pos - int(self._starts[i])
-            take = min(out.size - pos, int(self._ends[i] - self._starts[i]) - lo)
-            out[pos:pos + take] = maps[i][lo:lo + take]
-            pos += take
-            i += 1
-        assert stop == start + pos
+        for shard, offset, count in pieces:
+            out[pos:pos + count] = self._read(shard, offset, count)
+            pos += count
+        self._check_ids(out, pieces)
         return out
 
     def __repr__(self) -> str:
