@@ -16,7 +16,9 @@ def _checkpoint_error():
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m export",
                                  description="Export a Laplace orbax checkpoint to a Hugging-Face-style "
-                                             "folder that plain torch and vLLM load.")
+                                             "folder that plain torch and vLLM load. Reads the parameters "
+                                             "only (not the optimizer state); peak host memory is about "
+                                             "1.5x the float32 parameters (3B: ~18 GB).")
     ap.add_argument("--checkpoint", required=True, help="training run directory")
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     ap.add_argument("--out", required=True, help="output directory (must be empty)")

@@ -112,7 +112,7 @@ def restore(mngr: ocp.CheckpointManager, run_dir: str | Path, step: int, abstrac
 
 
 def load_params(run_dir: str | Path, step: int | None = None) -> tuple[dict[str, Any], Config, int]:
-    """Parameters (numpy float32, docs/PARAMS.md tree), the run's config and the step, on the host CPU."""
+    """Parameters (numpy float32, docs/PARAMS.md tree), the run's config and the step, in host memory."""
     from laplace_jax.model import param_shapes
 
     steps = available_steps(run_dir)
@@ -128,12 +128,35 @@ def load_params(run_dir: str | Path, step: int | None = None) -> tuple[dict[str,
         cfg = from_dict(meta["config"])
     except ConfigError as e:
         raise CheckpointError(f"checkpoint step {step} in {run_dir} has an invalid config ({e})") from None
-    cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-    abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=cpu),
-                            param_shapes(cfg.model))
-    path = checkpoint_dir(run_dir) / str(step) / "params"
+    path = checkpoint_dir(run_dir) / str(step) / "params"   # the `params` item only: no optimizer state
     try:
-        params = ocp.StandardCheckpointer().restore(path, abstract)
+        params = _restore_numpy(path, param_shapes(cfg.model))
     except Exception as e:
         raise _unreadable(run_dir, step, e) from None
-    return jax.tree.map(np.asarray, params), cfg, step
+    return params, cfg, step
+
+
+def _restore_numpy(path: Path, shapes: Any) -> dict[str, Any]:
+    """An orbax pytree of arrays into host numpy, one leaf per read.
+
+    numpy, not jax.Array: no device buffers, and the arrays are owned, so export can free them one by
+    one. One leaf per read: orbax reads all leaves at once otherwise, each through a decode buffer
+    (+40% of the tree at its peak for 4 layers of the 3B config, against +20% this way)."""
+    reader = ocp.PyTreeCheckpointer()
+    params: dict[str, Any] = {}
+    for key_path, shape in jax.tree_util.tree_leaves_with_path(shapes):
+        keys = [k.key for k in key_path]
+        item: Any = shape
+        for k in reversed(keys):
+            item = {k: item}
+        as_numpy = jax.tree.map(lambda s: ocp.RestoreArgs(restore_type=np.ndarray, dtype=s.dtype), item)
+        got = reader.restore(path, args=ocp.args.PyTreeRestore(item=item, restore_args=as_numpy,
+                                                               partial_restore=True))
+        node = params
+        for k in keys[:-1]:
+            got, node = got[k], node.setdefault(k, {})
+        leaf = got[keys[-1]]
+        if leaf.shape != tuple(shape.shape):
+            raise ValueError(f"params/{'/'.join(keys)} has shape {leaf.shape}, the config's is {shape.shape}")
+        node[keys[-1]] = leaf
+    return params

@@ -3,6 +3,7 @@
 Needs torch + safetensors (the `serve` extra); skipped without them."""
 import importlib
 import json
+import math
 import sys
 import types
 
@@ -14,8 +15,10 @@ from conftest import need  # noqa: E402
 torch = need("torch")
 need("safetensors")
 
-from export.convert import ExportError, export_params  # noqa: E402
-from export.torch_model import LaplaceForCausalLM  # noqa: E402
+from export import convert  # noqa: E402
+from export.convert import (ExportError, converted_shapes, expected_shapes, export_params,  # noqa: E402
+                            hf_config_dict)
+from export.torch_model import LaplaceConfig, LaplaceForCausalLM, check_state_dict  # noqa: E402
 
 from export.testing import TINY, random_params, tiny_model_cfg  # noqa: E402
 
@@ -132,6 +135,85 @@ def test_bfloat16_export(tmp_path, exported):
     assert m.lm_head.weight.dtype == torch.float32
 
 
+# ----------------------------------------------------------------------------- streaming, 3B shapes
+
+def _old_export_tensors(params, num_layers, tdtype):
+    """The export before streaming (all float32 copies, torch copies, then the cast): the reference bytes."""
+    flat = {}
+    for src, dst, fn in convert.GLOBAL_TABLE:
+        flat[dst] = np.ascontiguousarray(fn(np.asarray(params[src], np.float32)))
+    for src, dst, fn in convert.LAYER_TABLE:
+        for i in range(num_layers):
+            flat[dst.format(i=i)] = np.ascontiguousarray(fn(np.asarray(params["layers"][src], np.float32)[i]))
+    return {k: torch.tensor(v).to(tdtype).contiguous() for k, v in flat.items()}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_streamed_export_is_byte_identical(tmp_path, exported, dtype):
+    """Same model.safetensors bytes as the all-at-once export, NaN bit patterns included; `release`
+    empties the tree and changes nothing in the file."""
+    from safetensors.torch import save_file
+    cfg, params, _ = exported
+    p = {**params, "layers": {k: v.copy() for k, v in params["layers"].items()}}
+    bits = p["layers"]["w_12"].view(np.uint32)
+    bits[0, :3, :5] = [0x7fc00000, 0xffc00000, 0x7f800001, 0xff812345, 0x7f800000]   # NaNs, inf
+    save_file(_old_export_tensors(p, cfg.num_layers, convert._torch_dtype(dtype)),
+              str(tmp_path / "old.safetensors"), metadata={"format": "pt"})
+    old = (tmp_path / "old.safetensors").read_bytes()
+    export_params(p, cfg, tmp_path / "kept", dtype, tokenizer=False)
+    assert (tmp_path / "kept" / "model.safetensors").read_bytes() == old
+    export_params(p, cfg, tmp_path / "released", dtype, tokenizer=False, release=True)
+    assert p == {"layers": {}}
+    assert (tmp_path / "released" / "model.safetensors").read_bytes() == old
+
+
+@pytest.fixture(scope="module")
+def shapes_3b():
+    """The shipped 3B config and its JAX parameter tree as ShapeDtypeStructs (nothing allocated)."""
+    config = pytest.importorskip("laplace_jax.config")
+    model = pytest.importorskip("laplace_jax.model")
+    cfg = config.load_config("laplace_3b").model
+    return cfg, model.param_shapes(cfg)
+
+
+def test_3b_export_shapes_match_torch_and_config_json(shapes_3b):
+    """At the article's scale without allocating: JAX tree → conversion table → torch names and shapes
+    = the meta-device torch model's, built from the model config and from the config.json export writes."""
+    cfg, shapes = shapes_3b
+    got = converted_shapes(shapes, cfg.num_layers)
+    lcfg = LaplaceConfig.from_model_config(cfg)
+    check_state_dict(expected_shapes(lcfg), got, "laplace_3b")      # names the tensors that differ
+    written = json.loads(json.dumps(hf_config_dict(lcfg, "bfloat16")))
+    check_state_dict(expected_shapes(LaplaceConfig.from_dict(written)), got, "laplace_3b config.json")
+    assert round(sum(math.prod(s) for s in got.values()) / 1e9, 2) == 3.03
+    assert len(got) == 3 + 10 * 24
+    assert got["lm_head.weight"] == (50304, 3072) and got["layers.23.w_12.weight"] == (16384, 3072)
+    assert got["layers.0.mixer.conv.weight"] == (3072, 1, 4)
+
+
+def test_3b_shape_check_catches_a_dropped_transform(shapes_3b, monkeypatch):
+    """Each transform replaced by the identity in turn: the 3B shape check must fail, except for
+    w_out, [D, D], whose transpose no shape can show (the logits tests catch that one)."""
+    cfg, shapes = shapes_3b
+    want = expected_shapes(LaplaceConfig.from_model_config(cfg))
+    caught = {}
+    for table in ("GLOBAL_TABLE", "LAYER_TABLE"):
+        rows = getattr(convert, table)
+        for j, (src, dst, fn) in enumerate(rows):
+            if fn is convert._id:
+                continue
+            monkeypatch.setattr(convert, table, rows[:j] + [(src, dst, convert._id)] + rows[j + 1:])
+            try:
+                check_state_dict(want, converted_shapes(shapes, cfg.num_layers), "3b")
+                caught[src] = False
+            except ValueError as e:
+                assert "shape mismatch" in str(e) and dst.format(i=0).split(".")[-2] in str(e), e
+                caught[src] = True
+            monkeypatch.setattr(convert, table, rows)
+    assert caught == {"lm_head": True, "conv_w": True, "w_qkvg": True, "w_out": False,
+                      "w_12": True, "w_3": True}
+
+
 # ----------------------------------------------------------------------------- bad input
 
 def test_non_empty_out_dir_refused(tmp_path, exported):
@@ -185,7 +267,8 @@ def _fake_checkpoint_module(params, cfg, steps):
         step = max(steps) if step is None else step
         if step not in steps:
             raise FileNotFoundError(step)
-        return params, types.SimpleNamespace(model=cfg), step
+        fresh = {**params, "layers": dict(params["layers"])}   # export_checkpoint empties the tree it gets
+        return fresh, types.SimpleNamespace(model=cfg), step
     mod.load_params = load_params
     return mod
 
@@ -223,6 +306,8 @@ def _write_run(run_dir, params, cfg, steps):
         (d / "meta").mkdir(parents=True)
         (d / "meta" / "metadata").write_text(json.dumps(
             {"format": FORMAT, "step": step, "config": config_to_dict(full)}))
+        (d / "train").mkdir()          # export must never read the optimizer state: junk here
+        (d / "train" / "_METADATA").write_text("not a checkpoint")
 
 
 def test_cli_real_checkpoint(tmp_path, exported, capsys):
