@@ -2,8 +2,10 @@
 
     python -m export.vllm_check --model DIR --prompts '[[50256], [1, 2, 3]]' [--max-tokens 48]
         [--dtype float32] [--max-num-seqs N] [--max-num-batched-tokens N] [--compile]
-        [--staggered K] [--state-bytes] [--out FILE]
+        [--staggered K] [--state-bytes] [--prompt-logprobs] [--out FILE]
 
+`--prompt-logprobs` scores the prompts instead (teacher forcing): "prompt_logprobs" holds, per
+prompt, the log-probability vLLM gives each prompt token after the first.
 Used by tests/test_vllm.py (vLLM starts worker processes, so it runs in its own process) and
 handy on a GPU machine.  Output: {"outputs": [[ids...], ...], "state_bytes_per_seq": int|null}.
 `--staggered K` adds the first K prompts, runs a few engine steps, then adds the rest while
@@ -13,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 
 def _state_bytes(worker):
@@ -30,7 +33,8 @@ def _state_bytes(worker):
 
 
 def run(model, prompts, max_tokens=48, dtype="float32", max_num_seqs=8, max_num_batched_tokens=None,
-        compile=False, staggered=0, state_bytes=False, max_model_len=1024, no_tokenizer=False):
+        compile=False, staggered=0, state_bytes=False, max_model_len=1024, no_tokenizer=False,
+        prompt_logprobs=False):
     from vllm import LLM, SamplingParams
 
     kw = dict(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -39,10 +43,18 @@ def run(model, prompts, max_tokens=48, dtype="float32", max_num_seqs=8, max_num_
     if max_num_batched_tokens:
         kw["max_num_batched_tokens"] = max_num_batched_tokens
         kw["enable_chunked_prefill"] = True
+    t0 = time.perf_counter()
     llm = LLM(**kw)
+    engine_start_s = round(time.perf_counter() - t0, 1)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-    res = {"outputs": None, "state_bytes_per_seq": None}
-    if staggered:
+    res = {"outputs": None, "state_bytes_per_seq": None, "engine_start_s": engine_start_s}
+    if prompt_logprobs:
+        sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        # entry t (t >= 1) maps token ids, the prompt's own token among them, to Logprob objects
+        res["prompt_logprobs"] = [[o.prompt_logprobs[t][tok].logprob for t, tok in enumerate(p) if t]
+                                  for o, p in zip(outs, prompts)]
+    elif staggered:
         eng = llm.llm_engine
         done = {}
         for i, p in enumerate(prompts[:staggered]):
@@ -81,6 +93,7 @@ def main(argv=None):
     ap.add_argument("--compile", action="store_true", help="torch.compile path (default: eager)")
     ap.add_argument("--staggered", type=int, default=0)
     ap.add_argument("--state-bytes", action="store_true")
+    ap.add_argument("--prompt-logprobs", action="store_true", help="score the prompts (teacher forcing)")
     ap.add_argument("--no-tokenizer", action="store_true", help="folder without tokenizer files")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -92,7 +105,7 @@ def main(argv=None):
     if a.state_bytes:
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     res = run(a.model, json.loads(text), a.max_tokens, a.dtype, a.max_num_seqs, a.max_num_batched_tokens,
-              a.compile, a.staggered, a.state_bytes, a.max_model_len, a.no_tokenizer)
+              a.compile, a.staggered, a.state_bytes, a.max_model_len, a.no_tokenizer, a.prompt_logprobs)
     s = json.dumps(res)
     if a.out:
         with open(a.out, "w") as f:

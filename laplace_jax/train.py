@@ -241,7 +241,10 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
         abs_t = {"opt_state": abs_o,
                  "step": np.zeros((), np.int32),
                  "rng": np.zeros(jax.eval_shape(jax.random.PRNGKey, 0).shape, np.uint32)}  # (4,) with rbg
+        t_restore = time.perf_counter()
         params, tstate = ckpt.restore(mngr, run_dir, latest, abs_p, abs_t, data_iter)
+        jax.block_until_ready(params)
+        t_restore = time.perf_counter() - t_restore
         opt_state, start, rng = tstate["opt_state"], int(tstate["step"]), np.asarray(tstate["rng"])
     else:
         if cfg.neuron_mode:  # RNG-heavy init compiled for the host CPU, then placed on the devices
@@ -256,7 +259,6 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
-    step_fn = prog.step_fn
     eval_sh = batch_sharding(mesh, 2)
     eval_cfg = for_gspmd(cfg)  # the eval batch is sharded by XLA, not inside a shard_map
     eval_fn = jax.jit(lambda p, b: loss_fn(p, b, eval_cfg), in_shardings=(p_sh, eval_sh), out_shardings=rep)
@@ -279,13 +281,20 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
                      f"{layout.accum} x {layout.micro} x {layout.seq_len} | data {data_dir}")
         metrics.note(str(report))
         if start:
-            metrics.note(f"resumed from step {start} ({run_dir / 'checkpoints' / str(start)})")
+            metrics.note(f"resumed from step {start} ({run_dir / 'checkpoints' / str(start)}) in {t_restore:.1f} s")
+    t_compile = time.perf_counter()
+    step_fn = prog.step_fn.lower(*prog.abstract_args()).compile()   # compiled once, before step 1
+    t_compile = time.perf_counter() - t_compile
+    metrics.note(f"compiled the train step in {t_compile:.1f} s")
 
     def save_now() -> None:
         nonlocal last_good
+        t0 = time.perf_counter()
         ckpt.save(mngr, step, params, {"opt_state": opt_state, "step": np.asarray(step, np.int32), "rng": rng},
                   data_iter, cfg)
         last_good = step
+        metrics.note(f"checkpoint step {step}: saving ({time.perf_counter() - t0:.1f} s in the loop"
+                     + (", written in the background)" if cfg.train.async_ckpt else ")"))
 
     stop = _Stop()
     last_good = start if latest is not None else None
@@ -318,7 +327,10 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
         if stop.signal is not None and last_good != step:
             save_now()
     finally:
+        t0 = time.perf_counter()
         mngr.wait_until_finished()
+        if last_good is not None and last_good > start:
+            metrics.note(f"checkpoints written (waited {time.perf_counter() - t0:.1f} s at exit)")
         mngr.close()
         stop.restore()
         metrics.close()
