@@ -377,8 +377,9 @@ def bench_train(t: Table, cfg, variants: list[tuple[int, list[str]]], iters: int
     real training step's forward/backward -- over A=1 and A=2 micro-batches: per micro-step =
     t(2) - t(1), per-step fixed cost (the weight gather and gradient reduce-scatter with
     train.grad_sync=step) = t(1) - per micro-step. Then the optimizer update. A step of
-    `tokens_per_step` = fixed + accum x per micro-step + update. With `n_devices` > 1: FSDP over a
-    (data=1, fsdp=n) mesh and the distributed (all_to_all) Muon, as `laplace_jax.train` runs them."""
+    `tokens_per_step` = fixed + accum x per micro-step + update. The shardings and the optimizer are
+    `laplace_jax.train.build_program`'s on a (data=1, fsdp=n_devices) mesh: FSDP and the config's
+    Muon comm, as the trainer runs them (one device: the same code, no collectives)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -386,33 +387,24 @@ def bench_train(t: Table, cfg, variants: list[tuple[int, list[str]]], iters: int
     from laplace_jax.config import MeshConfig
     from laplace_jax.grad_accum import accumulate
     from laplace_jax.model import init_params
-    from laplace_jax.optim import build_optimizer
-    from laplace_jax.sharding import (batch_sharding, make_mesh, opt_state_shardings, param_shardings,
-                                      replicated)
+    from laplace_jax.sharding import make_mesh, replicated
+    from laplace_jax.train import build_program
 
     mcfg = cfg.model
     S = mcfg.seq_len
     t0 = time.perf_counter()
-    mesh = make_mesh(MeshConfig(data=1, fsdp=n_devices), jax.devices()[:n_devices]) if n_devices > 1 else None
-    if mesh is not None:
-        shapes = jax.eval_shape(lambda: init_params(mcfg, jax.random.PRNGKey(0)))
-        p_sh = param_shardings(shapes, mesh)
-        params = jax.jit(init_params, static_argnums=0, out_shardings=p_sh)(mcfg, jax.random.PRNGKey(0))
-        tx, _ = build_optimizer(cfg.optim, shapes, mesh=mesh)
-        o_sh = opt_state_shardings(jax.eval_shape(tx.init, shapes), mesh)
-        opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
-        rep = replicated(mesh)
-        b_sh = batch_sharding(mesh, 3, batch_axis=1)
-        jit_kw = dict(in_shardings=(p_sh, b_sh), out_shardings=(rep, p_sh))
-        ujit_kw = dict(in_shardings=(p_sh, o_sh, (rep, p_sh)), out_shardings=(p_sh, o_sh))
-    else:
-        params = init_params(mcfg, jax.random.PRNGKey(0))
-        tx, _ = build_optimizer(cfg.optim, params)           # mesh=None: single-device Muon
-        opt_state = jax.jit(tx.init)(params)
-        b_sh, jit_kw, ujit_kw = None, {}, {}
+    mesh = make_mesh(MeshConfig(data=1, fsdp=n_devices), jax.devices()[:n_devices])
+    prog = build_program(cfg, mesh)    # the trainer's own shardings and optimizer (Muon over the mesh)
+    p_sh, o_sh, b_sh, tx = prog.param_sh, prog.opt_sh, prog.batch_sh, prog.tx
+    params = jax.jit(init_params, static_argnums=0, out_shardings=p_sh)(mcfg, jax.random.PRNGKey(0))
+    opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
+    rep = replicated(mesh)
+    jit_kw = dict(in_shardings=(p_sh, b_sh), out_shardings=(rep, p_sh))
+    ujit_kw = dict(in_shardings=(p_sh, o_sh, (rep, p_sh)), out_shardings=(p_sh, o_sh))
     jax.block_until_ready(opt_state)
     n_real = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
-    where = f"FSDP over {n_devices} devices (mesh data=1 x fsdp={n_devices}), all_to_all Muon" if mesh else "1 device"
+    where = (f"FSDP over {n_devices} devices (mesh data=1 x fsdp={n_devices}), {cfg.optim.muon_comm} Muon"
+             if n_devices > 1 else "1 device")
     t.add("train", "parameters (from the real tree)", float(n_real), "", f"6N uses N={n_params_flop:.4e}; "
           f"{where}; init {time.perf_counter() - t0:.1f} s")
 
@@ -436,8 +428,7 @@ def bench_train(t: Table, cfg, variants: list[tuple[int, list[str]]], iters: int
             for A in (1, 2):
                 toks = rng.integers(0, mcfg.vocab_size, (A, Bg, S + 1), dtype=np.int32)
                 batch = {"inputs": jnp.asarray(toks[..., :-1]), "targets": jnp.asarray(toks[..., 1:])}
-                if b_sh is not None:
-                    batch = jax.device_put(batch, b_sh)
+                batch = jax.device_put(batch, b_sh)
                 grads = None
                 gc.collect()
                 tc = time.perf_counter()
