@@ -144,6 +144,13 @@ def _check(cond: bool, msg: str) -> None:
 
 def validate(cfg: Config) -> Config:
     """Raise `ConfigError` (one line, naming key and fix) for an inconsistent config."""
+    sections = [("", cfg)] + [(f"{f.name}.", getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
+                              if dataclasses.is_dataclass(getattr(cfg, f.name))]
+    for prefix, section in sections:
+        for f in dataclasses.fields(section):  # every float setting is a finite number (no inf, no nan)
+            v = getattr(section, f.name)
+            if isinstance(v, float):
+                _check(math.isfinite(v), f"{prefix}{f.name}={v}: must be a finite number")
     m = cfg.model
     for f in dataclasses.fields(m):
         v = getattr(m, f.name)
@@ -241,7 +248,7 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}={value!r}: expected a number")
         if typ is int:
-            if float(value) != int(value):
+            if not math.isfinite(value) or float(value) != int(value):
                 raise ConfigError(f"{key}={value!r}: expected an integer")
             return int(value)
         return float(value)

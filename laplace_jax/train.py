@@ -36,6 +36,7 @@ from typing import Any, Callable  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import yaml  # noqa: E402
@@ -76,6 +77,18 @@ def make_train_step(cfg: Config, tx: optax.GradientTransformation, mesh: Mesh | 
     return step
 
 
+def all_finite(*trees) -> jax.Array:
+    """One boolean scalar: every float leaf of `trees` is free of inf and nan (one reduction per leaf,
+    AND-ed on the device; only the scalar comes back to the host)."""
+    leaves = [x for x in jax.tree.leaves(trees) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.bool_(True)
+
+
+def _finite_or_null(rec: dict[str, Any]) -> dict[str, Any]:
+    """A metrics row as strict JSON: a non-finite float (nan, inf) is written as null."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
+
+
 # ----------------------------------------------------------------------------- the run
 
 @dataclasses.dataclass
@@ -103,7 +116,9 @@ class RunLayout:
 
 
 class Metrics:
-    """Per-step metrics to `metrics.jsonl` (process 0) and a tqdm progress bar."""
+    """Per-step metrics to `metrics.jsonl` (process 0) and a tqdm progress bar. Every line is strict JSON:
+    a non-finite value is written as null. The run stops at the first non-finite step; that step's row
+    is still written, with null in place of the non-finite values and the error message under "error"."""
 
     def __init__(self, run_dir: Path, total: int, start: int, enabled: bool):
         from tqdm import tqdm
@@ -116,7 +131,7 @@ class Metrics:
     def log(self, rec: dict[str, Any], show: bool) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(rec) + "\n")
+        self.file.write(json.dumps(_finite_or_null(rec), allow_nan=False) + "\n")
         self.file.flush()
         self.bar.update(1)
         if show:
@@ -284,6 +299,9 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
             metrics.note(f"resumed from step {start} ({run_dir / 'checkpoints' / str(start)}) in {t_restore:.1f} s")
     t_compile = time.perf_counter()
     step_fn = prog.step_fn.lower(*prog.abstract_args()).compile()   # compiled once, before step 1
+    # the new parameters and optimizer state are checked on the device after every step, before any save
+    finite_fn = jax.jit(all_finite, in_shardings=(p_sh, o_sh), out_shardings=rep).lower(
+        *prog.abstract_args()[:2]).compile()
     t_compile = time.perf_counter() - t_compile
     metrics.note(f"compiled the train step in {t_compile:.1f} s")
 
@@ -305,24 +323,42 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
             t0 = time.perf_counter()
             batch = _global_batch(next(data_iter), layout, b_sh)
             params, opt_state, m = step_fn(params, opt_state, batch)
+            finite = finite_fn(params, opt_state)
             loss, gnorm = float(m["loss"]), float(m["grad_norm"])
             dt = time.perf_counter() - t0
             step += 1
-            if not (math.isfinite(loss) and math.isfinite(gnorm)):
-                where = (f"last good checkpoint: step {last_good} ({run_dir / 'checkpoints' / str(last_good)})"
-                         if last_good is not None else "no checkpoint was saved yet")
-                raise TrainError(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} at step "
-                                 f"{step} (loss={loss}, grad_norm={gnorm}); {where}: lower optim.lr or check the data")
             rec = {"step": step, "loss": loss, "grad_norm": gnorm, "lr": float(schedule(step - 1)),
                    "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
                    "mfu": (tokens_per_step * flop_per_token / dt / (peak * jax.device_count())) if peak else None,
                    "mfu_flop": "6N+GLA"}
-            summary["losses"][step] = loss
-            if step % cfg.train.eval_every == 0 or step == total:
+            # Nothing from a non-finite step is saved: the loss and gradient norm (computed before the
+            # update), the updated parameters and optimizer state, and the held-out loss where computed
+            # at a save step must all be finite. The error names the step and the last checkpoint saved.
+            where = (f"last good checkpoint: step {last_good} ({run_dir / 'checkpoints' / str(last_good)})"
+                     if last_good is not None else "no checkpoint was saved yet")
+            vals = f"loss={loss}, grad_norm={gnorm}"
+            problem = None
+            if not (math.isfinite(loss) and math.isfinite(gnorm)):
+                problem = (f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} at step {step} "
+                           f"({vals}); {where}: lower optim.lr or check the data")
+            elif not bool(finite):
+                problem = (f"non-finite parameters or optimizer state at step {step} (after its update; {vals}); "
+                           f"nothing from step {step} was saved; {where}: lower optim.lr")
+            save_due = step % cfg.train.ckpt_every == 0 or step == total or stop.signal is not None
+            if problem is None and (step % cfg.train.eval_every == 0 or step == total):
                 rec["eval_loss"] = evaluate(params)
                 metrics.note(f"step {step}: train loss {loss:.4f}, held-out loss {rec['eval_loss']:.4f}")
+                if save_due and not math.isfinite(rec["eval_loss"]):
+                    problem = (f"non-finite held-out loss at step {step} (after its update; "
+                               f"eval_loss={rec['eval_loss']}, {vals}); the step {step} checkpoint was not saved; "
+                               f"{where}: lower optim.lr")
+            if problem is not None:
+                rec["error"] = problem
+                metrics.log(rec, show=False)
+                raise TrainError(problem)
+            summary["losses"][step] = loss
             metrics.log(rec, show=step % cfg.train.log_every == 0)
-            if step % cfg.train.ckpt_every == 0 or step == total or stop.signal is not None:
+            if save_due:
                 save_now()
         if stop.signal is not None and last_good != step:
             save_now()
