@@ -34,3 +34,49 @@ def trained_tiny(tmp_path_factory) -> Path:
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stderr[-3000:]
     return run
+
+
+# ----------------------------------------------------------------------------- float32 tolerances
+# XLA:CPU's code differs between x86-64 machines and settings (the vector width of the host's ISA,
+# matmul blocking sized to its caches, the thread count, fusion; eager op-by-op vs one compiled
+# program), and with it the order of every float32 sum. So a float comparison here is either exact
+# (both sides run the same float operations on the same inputs) or bounded by float32 rounding
+# derived from the arithmetic below, never by a margin read off one machine's output.
+U32 = 2.0 ** -24   # float32 unit roundoff u: fl(a op b) = (a op b)(1 + δ), |δ| <= u
+LAMBDA = 6.0       # the bound below fails with probability < 2n·exp(-λ²/2) = 4e-6 for n = 128
+
+
+def f32_sum_err(n: int, magnitude) -> float:
+    """Rounding error of one float32 sum or dot product of n terms, summed in any order, whose
+    absolute values add up to at most `magnitude`: λ·√n·u·Σ|terms| (Higham & Mary, "A new approach
+    to probabilistic rounding error analysis", SIAM J. Sci. Comput. 41(5), 2019). The worst case,
+    n·u·Σ|terms|, needs every rounding to go the same way. Two evaluations of one sum in different
+    orders differ by up to twice this."""
+    return LAMBDA * n ** 0.5 * U32 * magnitude
+
+
+def logit_atol(params) -> float:
+    """How far two float32 evaluations of the same logits (params in docs/PARAMS.md's tree) may be
+    apart when their sums are ordered differently (a layer loop vs a scan, eager vs compiled,
+    another machine's XLA code): logit_j = sum_d xn_d W_dj over D = d_model terms, xn the final
+    layer norm's output, of RMS at most max|scale|, so sum_d |xn_d W_dj| <= ||xn|| ||W_:j|| <=
+    sqrt(D) max|scale| max_j ||W_:j||. The layers' own sums (at most 2D terms each, renormalised by
+    every layer norm) perturb xn by relative amounts of the same sqrt(n) u order, which reach the
+    logits through this sum. Twice one sum's error (7.5e-5 for test_model's parameters, whose
+    max|logit| is about 2)."""
+    import jax.numpy as jnp
+    D = params["lm_head"].shape[0]
+    terms = (D ** 0.5 * float(jnp.max(jnp.abs(params["final_norm"])))
+             * float(jnp.max(jnp.linalg.norm(params["lm_head"], axis=0))))
+    return 2 * f32_sum_err(D, terms)
+
+
+def mean_ce_rtol(tokens: int, vocab: int) -> float:
+    """Relative difference allowed between two float32 evaluations of a mean cross-entropy whose
+    sums are ordered differently (a sharded mesh against one device, unrolled against scanned):
+    the mean adds `tokens` positive terms, f32_sum_err(tokens, 1) of the result; each term's
+    log-sum-exp adds `vocab` positive exponentials, f32_sum_err(vocab, 1) of that sum, which is
+    that much absolute on its log (at most as much relative to a term of about log(vocab)); the
+    logits' own differences (logit_atol, independent between tokens) average out over the tokens.
+    Twice, for two evaluations."""
+    return 2 * (f32_sum_err(tokens, 1.0) + f32_sum_err(vocab, 1.0))

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import mean_ce_rtol
 from laplace_jax.config import ConfigError, load_config
 from laplace_jax.generate import Generator, Sampling, pick_width
 from laplace_jax.model import init_state, param_shapes
@@ -27,6 +28,7 @@ from laplace_jax.optim import build_optimizer
 from laplace_jax.platform import NEURON_INSTALL, select_platform
 from laplace_jax.sharding import make_mesh, param_shardings
 from laplace_jax.train import loss_fn, make_train_step
+from test_gla import gla_roundings, magnitude, numpy_gla, numpy_gla_grads, within_f32
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_NEURONX = importlib.util.find_spec("jax_neuronx") is not None
@@ -229,10 +231,14 @@ def test_gla_unrolled_and_default_gradients_agree(shape, chunking):
 
     (lu, (ou, su)), gu = f(True)
     (ls, (os_, ss)), gs = f(False)
-    np.testing.assert_allclose(ou, os_, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(su, ss, rtol=1e-5, atol=1e-5)
-    for a, b in zip(gu, gs):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+    # Two float32 evaluations of the same sums in different orders: within twice one's rounding,
+    # elementwise, of each output's sum of |terms| (test_gla.magnitude: the float64 recurrence and
+    # its gradients on |inputs|).
+    arrays = [np.asarray(a) for a in (q, k, v, g, s0, wo, ws)]
+    mags = [*magnitude(numpy_gla, *arrays[:5]), *magnitude(numpy_gla_grads, *arrays)]
+    n = gla_roundings(K, V, T)
+    for name, a, b, mag in zip(["o", "state", "dq", "dk", "dv", "ds0"], [ou, su, *gu], [os_, ss, *gs], mags):
+        assert within_f32(a, np.asarray(b, np.float64), mag, n) <= 2, name
 
 
 def test_model_gradients_unrolled_equal_default(setup):
@@ -243,7 +249,10 @@ def test_model_gradients_unrolled_equal_default(setup):
     scanned = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, gla_unroll=False, scan_layers=True))
     lu, gu = jax.jit(jax.value_and_grad(lambda p: loss_fn(p, mb, cfg)))(params)
     ls, gs = jax.jit(jax.value_and_grad(lambda p: loss_fn(p, mb, scanned)))(params)
-    np.testing.assert_allclose(lu, ls, rtol=1e-6)
+    np.testing.assert_allclose(lu, ls, rtol=mean_ce_rtol(mb["targets"].size, cfg.model.vocab_size))
+    # Each weight gradient sums over the 128 tokens in the two forms' orders: 2 f32_sum_err(128,
+    # sum|terms|) = 8.1e-6 of sum|terms|; rtol allows sum|terms| up to 12x the entry, atol covers
+    # entries that cancel to near zero for sum|terms| up to 0.12 (the largest entry is about 0.04).
     for a, b in zip(jax.tree.leaves(gu), jax.tree.leaves(gs)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 

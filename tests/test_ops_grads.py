@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import U32, f32_sum_err
 from laplace_jax.ops.glu import swiglu
 from laplace_jax.ops.norm import layer_norm
 from laplace_jax.ops.split import split_last
@@ -15,7 +16,11 @@ def _plain(y):
     return (jax.nn.silu(a) * b).astype(y.dtype)
 
 
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
+# Elementwise, no sums: silu(a) b and its derivative take at most 8 roundings each (products, the
+# sum 1 + a(1 - σ), σ within 2 ulps) in either form; two forms: 16 units of the dtype's roundoff
+# (float32: 16u = 9.5e-7, relative; bfloat16: the float32 math rounded once to 8 bits, 2^-8, and
+# 1e-2 is under 3 of those).
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 16 * U32), (jnp.bfloat16, 1e-2)])
 def test_swiglu_value_and_grad_match_autodiff(dtype, tol):
     y = jax.random.normal(jax.random.PRNGKey(0), (3, 5, 2 * 24), jnp.float32).astype(dtype) * 3
     w = jax.random.normal(jax.random.PRNGKey(1), (3, 5, 24), jnp.float32)
@@ -46,13 +51,22 @@ def test_layer_norm_value_and_grads_match_autodiff():
     x = 3 + 2 * jax.random.normal(jax.random.PRNGKey(0), (3, 5, 64), jnp.float32)
     scale = 1 + 0.1 * jax.random.normal(jax.random.PRNGKey(1), (64,), jnp.float32)
     w = jax.random.normal(jax.random.PRNGKey(2), (3, 5, 64), jnp.float32)
+    # Each form's mean (a sum of D = 64 terms) errs by f32_sum_err(D, sum|x|) / D, which moves x̂ by
+    # that over σ; its variance (positive terms) by f32_sum_err(D, 1) relatively, x̂ by half that,
+    # plus 8u for the elementwise steps (the rsqrt within 2 ulps). Two forms, times |scale|.
+    D = x.shape[-1]
+    atol = 2 * float(jnp.max(jnp.abs(scale))) * float(jnp.max(
+        f32_sum_err(D, jnp.abs(x).sum(-1)) / D / x.std(-1)))          # 1.4e-5 here
+    rtol = f32_sum_err(D, 1.0) + 16 * U32                            # 3.8e-6
     np.testing.assert_allclose(np.asarray(layer_norm(x, scale, 1e-5)),
-                               np.asarray(_plain_layer_norm(x, scale, 1e-5)), rtol=1e-5, atol=1e-5)
+                               np.asarray(_plain_layer_norm(x, scale, 1e-5)), rtol=rtol, atol=atol)
     loss = lambda f: lambda x, s: jnp.sum(jnp.sin(f(x, s, 1e-5)) * w)  # noqa: E731
     got = jax.grad(loss(layer_norm), argnums=(0, 1))(x, scale)
     ref = jax.grad(loss(_plain_layer_norm), argnums=(0, 1))(x, scale)
     for name, a, b in zip(("x", "scale"), got, ref):
         assert a.dtype == b.dtype == jnp.float32, name
+        # the backward's row sums (over D = 64, and 15 rows for d scale) of terms of the gradient's
+        # own scale, in two forms: 2 f32_sum_err(64, 1) + 16u = 6.7e-6 normwise, under 1e-5
         assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 1e-5, name
 
 
