@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from laplace_jax.checkpoint import available_steps  # noqa: E402  (committed checkpoints only)
 NOTES = {  # trainer notes (stderr) -> seconds, per process
     "compile_s": re.compile(r"compiled the train step in ([\d.]+) s"),
     "restore_s": re.compile(r"resumed from step \d+ .* in ([\d.]+) s"),
@@ -87,11 +89,6 @@ def _rows(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def _committed(run_dir: Path) -> list[int]:
-    d = run_dir / "checkpoints"
-    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
-
-
 def _throughput(rows: list[dict[str, Any]]) -> dict[str, Any]:
     steady = [r for r in rows if r["step"] > 1] or rows
     return {"steps": [r["step"] for r in rows], "losses": [r["loss"] for r in rows],
@@ -113,13 +110,13 @@ def stage_resume(a, w: Path) -> dict[str, Any]:
     shutil.rmtree(run, ignore_errors=True)                    # a fresh run B (a retried stage too)
     shutil.rmtree(w / "run_a" / "checkpoints", ignore_errors=True)   # run A's metrics suffice: disk
     cmd = _train_cmd(a, run, f"train.ckpt_every={a.kill_after}")
-    first = _run(cmd, w / "train_b1.log", a.timeout, until=lambda: a.kill_after in _committed(run))
+    first = _run(cmd, w / "train_b1.log", a.timeout, until=lambda: a.kill_after in available_steps(run))
     if not first["killed"]:
         raise SystemExit(f"error: the run ended before checkpoint {a.kill_after} was committed: "
                          f"use --steps > --kill-after")
     before = len(_rows(run))
     second = _run(cmd, w / "train_b2.log", a.timeout)
-    for step in _committed(run)[:-1]:                          # export reads the last one only
+    for step in available_steps(run)[:-1]:                          # export reads the last one only
         shutil.rmtree(run / "checkpoints" / str(step))
     rows = _rows(run)
     resumed = {r["step"]: r for r in rows[before:]}

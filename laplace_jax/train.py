@@ -236,6 +236,7 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
     prog = build_program(cfg, make_mesh(cfg.mesh), nproc)
     mesh, layout, shapes, tx, report = prog.mesh, prog.layout, prog.shapes, prog.tx, prog.report
     p_sh, o_sh, b_sh = prog.param_sh, prog.opt_sh, prog.batch_sh
+    abs_p, abs_o, abs_b = prog.abstract_args()   # restore targets and the compile's input types
     per_proc = layout.seqs_per_step // nproc
     data_iter = make_train_iterator(data_dir, seq_len=layout.seq_len, batch_size=per_proc,
                                     seed=cfg.data.shuffle_seed, process_index=pid, process_count=nproc,
@@ -252,7 +253,6 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
     latest = mngr.latest_step()
     if latest is not None:
         ckpt.check_compatible(run_dir, latest, cfg)
-        abs_p, abs_o, _ = prog.abstract_args()
         abs_t = {"opt_state": abs_o,
                  "step": np.zeros((), np.int32),
                  "rng": np.zeros(jax.eval_shape(jax.random.PRNGKey, 0).shape, np.uint32)}  # (4,) with rbg
@@ -298,10 +298,9 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
         if start:
             metrics.note(f"resumed from step {start} ({run_dir / 'checkpoints' / str(start)}) in {t_restore:.1f} s")
     t_compile = time.perf_counter()
-    step_fn = prog.step_fn.lower(*prog.abstract_args()).compile()   # compiled once, before step 1
+    step_fn = prog.step_fn.lower(abs_p, abs_o, abs_b).compile()   # compiled once, before step 1
     # the new parameters and optimizer state are checked on the device after every step, before any save
-    finite_fn = jax.jit(all_finite, in_shardings=(p_sh, o_sh), out_shardings=rep).lower(
-        *prog.abstract_args()[:2]).compile()
+    finite_fn = jax.jit(all_finite, in_shardings=(p_sh, o_sh), out_shardings=rep).lower(abs_p, abs_o).compile()
     t_compile = time.perf_counter() - t_compile
     metrics.note(f"compiled the train step in {t_compile:.1f} s")
 
