@@ -44,7 +44,6 @@ def conv_with_state(x: torch.Tensor, window: torch.Tensor, w: torch.Tensor, b: t
     """Causal depthwise conv over x [B, S, D] continuing from window [B, C, D] (last C inputs).
 
     w: [D, 1, C] (Conv1d layout); returns (u [B, S, D], new window [B, C, D])."""
-    C = w.shape[-1]
     S = x.shape[1]
     full = torch.cat([window.to(x.dtype), x], dim=1)               # [B, C + S, D]
     seq = full[:, 1:]                                               # last C-1 of window + x
