@@ -36,6 +36,27 @@ def trained_tiny(tmp_path_factory) -> Path:
     return run
 
 
+def write_run(run_dir, params, model_cfg, steps):
+    """A run dir in laplace_jax.checkpoint's layout holding `params` (a docs/PARAMS.md tree) at each
+    step: params + meta only, what export and generate read (no training needed)."""
+    import json
+
+    import orbax.checkpoint as ocp
+    from laplace_jax.checkpoint import FORMAT, checkpoint_dir
+    from laplace_jax.config import Config, config_to_dict
+    full = Config(model=model_cfg)
+    for step in steps:
+        d = checkpoint_dir(run_dir) / str(step)
+        ckptr = ocp.StandardCheckpointer()
+        ckptr.save(d / "params", params)
+        ckptr.wait_until_finished()
+        (d / "meta").mkdir(parents=True)
+        (d / "meta" / "metadata").write_text(json.dumps(
+            {"format": FORMAT, "step": step, "config": config_to_dict(full)}))
+        (d / "train").mkdir()          # export must never read the optimizer state: junk here
+        (d / "train" / "_METADATA").write_text("not a checkpoint")
+
+
 # ----------------------------------------------------------------------------- float32 tolerances
 # XLA:CPU's code differs between x86-64 machines and settings (the vector width of the host's ISA,
 # matmul blocking sized to its caches, the thread count, fusion; eager op-by-op vs one compiled
