@@ -204,9 +204,10 @@ def write_hf_folder(out: Path, cfg: LaplaceConfig, tensors: dict, dtype: str, *,
     from export.remote_code import write_remote_code
 
     out.mkdir(parents=True, exist_ok=True)
+    auto_map = write_remote_code(out)   # first: code that cannot be shipped fails before the weights are written
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
     hf = hf_config_dict(cfg, dtype, max_len)
-    hf["auto_map"] = write_remote_code(out)   # transformers' trust_remote_code entry points
+    hf["auto_map"] = auto_map           # transformers' trust_remote_code entry points
     if step is not None:
         hf["laplace_step"] = int(step)
     (out / CONFIG_NAME).write_text(json.dumps(hf, indent=2) + "\n")
