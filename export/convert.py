@@ -168,13 +168,18 @@ def export_params(params: dict, arch: Arch, out_dir, dtype: str = "float32", *,
 
 def write_hf_folder(out: Path, cfg: Arch, tensors: dict, dtype: str, *, step: Optional[int] = None,
                     tokenizer: bool = True, max_len: Optional[int] = None) -> None:
-    """model.safetensors (torch tensors named as torch_model), config.json, generation_config.json
-    and, with `tokenizer`, the tokenizer files into `out` (created)."""
+    """model.safetensors (torch tensors named as torch_model), config.json, generation_config.json,
+    the transformers modelling code (export/remote_code.py) and, with `tokenizer`, the tokenizer
+    files into `out` (created)."""
     from safetensors.torch import save_file
 
+    from export.remote_code import write_remote_code
+
     out.mkdir(parents=True, exist_ok=True)
+    auto_map = write_remote_code(out)   # first: code that cannot be shipped fails before the weights are written
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
     hf = hf_config_dict(cfg, dtype, max_len)
+    hf["auto_map"] = auto_map           # transformers' trust_remote_code entry points
     if step is not None:
         hf["laplace_step"] = int(step)
     (out / CONFIG_NAME).write_text(json.dumps(hf, indent=2) + "\n")

@@ -11,7 +11,7 @@ import types
 import numpy as np
 import pytest
 
-from conftest import need  # noqa: E402
+from conftest import need, write_run  # noqa: E402
 
 torch = need("torch")
 need("safetensors")
@@ -297,24 +297,6 @@ def test_cli_missing_step_lists_available(tmp_path, exported, monkeypatch, capsy
     assert "no such directory" in capsys.readouterr().err
 
 
-def _write_run(run_dir, params, cfg, steps):
-    """A run dir in laplace_jax.checkpoint's layout (params + meta only; what export reads)."""
-    import orbax.checkpoint as ocp
-    from laplace_jax.checkpoint import FORMAT, checkpoint_dir
-    from laplace_jax.config import Config, config_to_dict
-    full = Config(model=cfg)
-    for step in steps:
-        d = checkpoint_dir(run_dir) / str(step)
-        ckptr = ocp.StandardCheckpointer()
-        ckptr.save(d / "params", params)
-        ckptr.wait_until_finished()
-        (d / "meta").mkdir(parents=True)
-        (d / "meta" / "metadata").write_text(json.dumps(
-            {"format": FORMAT, "step": step, "config": config_to_dict(full)}))
-        (d / "train").mkdir()          # export must never read the optimizer state: junk here
-        (d / "train" / "_METADATA").write_text("not a checkpoint")
-
-
 def test_cli_real_checkpoint(tmp_path, exported, capsys):
     """The lead's orbax layout → `python -m export` → torch logits = JAX logits; bad steps listed."""
     jax = pytest.importorskip("jax")
@@ -325,7 +307,7 @@ def test_cli_real_checkpoint(tmp_path, exported, capsys):
     model = importlib.import_module("laplace_jax.model")
     cfg, params, _ = exported
     run = tmp_path / "run"
-    _write_run(run, params, cfg, [10, 20])
+    write_run(run, params, cfg, [10, 20])
     from export.__main__ import main
     assert main(["--checkpoint", str(run), "--step", "15", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
