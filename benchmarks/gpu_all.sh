@@ -10,6 +10,7 @@ set -uo pipefail
 part=${1:?gla, ops, train or serve}; out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}   # the checkout's laplace_jax and export (not installed here)
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
@@ -21,7 +22,7 @@ case $part in
 gla)
     CUDA_VISIBLE_DEVICES=0 bench 540 --parts gla --reps 7 --fla-timeout 300 --out "$out/gla" > "$out/gla.log" 2>&1 ;;
 ops)
-    CUDA_VISIBLE_DEVICES=0 PYTHONPATH=.:${PYTHONPATH:-} timeout 300 python3 benchmarks/gpu_ops_micro.py \
+    CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/gpu_ops_micro.py \
         > "$out/micro.log" 2>&1 ;;
 train)
     # the 3B config's unrolled layers compile in ~30-45 s per shape: two variants x (A=1, A=2) ~ 4 min

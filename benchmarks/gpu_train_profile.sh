@@ -8,6 +8,7 @@ set -uo pipefail
 out=${1:?output folder}; a=${2:?variants, e.g. 16:remat=dots_gla,16}; b=${3:-}; bflags=${4:-}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=0
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}   # the checkout's laplace_jax (not installed here)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*lambda.*" \
     timeout "${A_TIMEOUT:-330}" python3 benchmarks/bench.py --parts train --micro-batches "$a" --reps 3 --profile \
