@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 
 from conftest import mean_ce_rtol
+from hlo_checks import hlo_report, neuron_violations
 from laplace_jax.config import ConfigError, load_config
 from laplace_jax.generate import Generator, Sampling, pick_width
 from laplace_jax.model import init_state, param_shapes
-from laplace_jax.neuron import hlo_report, host_init_params, host_key, neuron_mode, neuron_violations
+from laplace_jax.neuron import host_init_params, host_key, neuron_mode
 from laplace_jax.ops import chunk_simple_gla
 from laplace_jax.optim import build_optimizer
 from laplace_jax.platform import NEURON_INSTALL, select_platform
