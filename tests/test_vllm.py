@@ -82,18 +82,17 @@ def test_vllm_offline_parity_and_state_bytes(folder, ref):
     assert res["state_bytes_per_seq"] == model_report(Config(model=cfg))["state_bytes_per_seq"]
 
 
-def test_vllm_continuous_batching_chunked_prefill(folder, ref, tmp_path):
+def test_vllm_continuous_batching_chunked_prefill(folder, ref):
     """9 prompts, max_num_seqs=2, 32-token prefill budget (a 200-token prompt takes 7+ chunks),
     6 of the prompts added while the first 3 decode.  Eager mode."""
     _, out = folder
     rnd = random.Random(1)
     prompts = PROMPTS3 + [[rnd.randrange(50257) for _ in range(n)] for n in (130, 5, 200, 1, 64, 17)]
-    stats = tmp_path / "stats.txt"
     res = vllm_run(out, prompts, "--max-num-seqs", 2, "--max-num-batched-tokens", 32, "--staggered", 3,
-                   env=_env(LAPLACE_VLLM_STATS=str(stats)))
+                   "--batch-stats")
     for p, got in zip(prompts, res["outputs"]):
         assert got == ref(p), f"prompt of {len(p)}: {match(got, ref(p))}/{MAX_NEW}"
-    recs = [eval(line) for line in stats.read_text().splitlines()]  # noqa: S307 (our own repr)
+    recs = res["batch_stats"]
     assert sum(r["continued_prefills"] for r in recs) >= 6 + 3          # 200 and 130 in pieces
     assert sum(r["new_decodes"] for r in recs) == 2                     # the two 1-token prompts
     assert any(r["decodes"] and r["prefills"] for r in recs)            # mixed batches
