@@ -32,12 +32,9 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from export.torch_model import (LaplaceConfig, LaplaceMixerWeights, _Norm, check_state_dict,
                                 layer_norm)
 
-try:  # CUDA decode kernel (export/gla_triton.py); None where triton is missing (CPU installs)
-    from export import gla_triton as _gla_triton
-    if _gla_triton.triton is None:
-        _gla_triton = None
-except ImportError:  # pragma: no cover
-    _gla_triton = None
+from export import gla_triton
+
+_gla_triton = gla_triton if gla_triton.triton is not None else None   # None: no triton (CPU installs)
 
 try:  # vLLM >= 0.11
     from vllm.compilation.decorators import support_torch_compile

@@ -15,6 +15,8 @@ torch = need("torch")
 need("vllm")
 
 from export.convert import export_params  # noqa: E402
+from laplace_jax.config import Config  # noqa: E402
+from laplace_jax.info import model_report  # noqa: E402
 from export.torch_model import LaplaceForCausalLM  # noqa: E402
 from export.testing import random_params, tiny_model_cfg  # noqa: E402
 
@@ -74,11 +76,6 @@ def test_vllm_offline_parity_and_state_bytes(folder, ref):
         assert got == ref(p), f"prompt of {len(p)}: {match(got, ref(p))}/{MAX_NEW}"
     want = cfg.num_layers * (cfg.conv_kernel * cfg.d_model + cfg.num_heads * cfg.d_k * cfg.d_v) * 4
     assert res["state_bytes_per_seq"] == want
-    try:
-        from laplace_jax.config import Config
-        from laplace_jax.info import model_report
-    except ImportError:
-        return
     assert res["state_bytes_per_seq"] == model_report(Config(model=cfg))["state_bytes_per_seq"]
 
 
