@@ -105,3 +105,28 @@ def test_installed_copy_lists_and_trains_the_tiny_config_from_another_folder(ven
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
     assert (run / "checkpoints" / "2").is_dir()
+
+
+def test_export_refuses_to_share_its_name_with_another_distribution(tmp_path):
+    """Another project that also installs a top-level `export` (built and installed by pip here),
+    ours first on sys.path: importing it fails with one line naming the other. (The other way round
+    Python finds theirs and none of ours runs; export/__init__.py says how to see which one loads.)"""
+    src = tmp_path / "other_src"
+    (src / "export").mkdir(parents=True)
+    (src / "export" / "__init__.py").write_text("")
+    (src / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n\n'
+        '[project]\nname = "other-tool"\nversion = "1.0"\n\n[tool.setuptools]\npackages = ["export"]\n')
+    site = tmp_path / "site"
+    _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+          "--target", site, src], cwd=tmp_path)
+    env = _user_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(site)])   # ours first: the other is hidden
+    p = subprocess.run([sys.executable, "-c", "import export"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 1 and p.stderr.strip().splitlines()[-1] == (
+        "ImportError: error: the top-level module `export` is installed by other-tool as well as laplace_jax, "
+        "and one hides the other: install laplace_jax into its own virtual environment or uninstall other-tool"
+    ), p.stderr
+    env["PYTHONPATH"] = str(ROOT)                                    # alone: imports
+    _run([sys.executable, "-c", "import export.convert"], cwd=tmp_path, env=env)
