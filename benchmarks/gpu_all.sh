@@ -10,18 +10,19 @@ set -uo pipefail
 part=${1:?gla, ops, train or serve}; out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}   # the checkout's laplace_jax and export (not installed here)
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/machine.txt"
-bench() { timeout "$1" python3 -m laplace_jax.bench "${@:2}"; }
+bench() { timeout "$1" python3 benchmarks/bench.py "${@:2}"; }
 case $part in
 gla)
     CUDA_VISIBLE_DEVICES=0 bench 540 --parts gla --reps 7 --fla-timeout 300 --out "$out/gla" > "$out/gla.log" 2>&1 ;;
 ops)
-    CUDA_VISIBLE_DEVICES=0 PYTHONPATH=.:${PYTHONPATH:-} timeout 300 python3 benchmarks/gpu_ops_micro.py \
+    CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/gpu_ops_micro.py \
         > "$out/micro.log" 2>&1 ;;
 train)
     # the 3B config's unrolled layers compile in ~30-45 s per shape: two variants x (A=1, A=2) ~ 4 min
@@ -35,7 +36,7 @@ train)
     fi ;;
 serve)
     export PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} VLLM_USE_FLASHINFER_SAMPLER=0 CUDA_VISIBLE_DEVICES=0
-    timeout 540 python3 -m export.serve_bench --out "$out/serve" --skip-long > "$out/serve.log" 2>&1
+    timeout 540 python3 benchmarks/serve_bench.py --out "$out/serve" --skip-long > "$out/serve.log" 2>&1
     grep "ROW" "$out/serve.log" | cut -c1-200 ;;
 *) echo "usage: $0 gla|ops|train|serve OUT" >&2; exit 2 ;;
 esac

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax.bench import _median_time
+from bench import _median_time   # benchmarks/bench.py (this script's folder)
 from laplace_jax.ops import glu
 from laplace_jax.ops.mix import gated_mix_xla
 from laplace_jax.ops.mix_pallas import gated_mix_pallas

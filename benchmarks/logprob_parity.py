@@ -7,7 +7,7 @@ Greedy text of an almost untrained model is dominated by near-ties, log-probabil
 held-out split of DIR gives `num-seqs` windows of `model.seq_len + 1` tokens. JAX scores them with
 `laplace_jax.model.forward` on the checkpoint (compute dtype = the folder's dtype; float32 matmuls
 at HIGHEST precision, so no TF32 on GPUs); vLLM scores the same tokens as prompts
-(`export.vllm_check --prompt-logprobs`). Each side runs in its own process (both want the GPU).
+(`benchmarks/vllm_check.py --prompt-logprobs`). Each side runs in its own process (both want the GPU).
 Prints max and mean |Δ| per dtype, writes W/logprob_parity.json, and exits 1 when a dtype is
 over its bound (a 99th percentile, see `bound`). `--compare-only` recomputes the comparison from the files a run left in W.
 
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     for dt, folder in folders.items():
         got = work / f"vllm_{dt}.json"
-        t_vllm = 0.0 if a.compare_only else _child([sys.executable, "-m", "export.vllm_check", "--model", folder, "--dtype", dt,
+        t_vllm = 0.0 if a.compare_only else _child([sys.executable, str(Path(__file__).with_name("vllm_check.py")), "--model", folder, "--dtype", dt,
                          "--prompts", f"@{work / 'prompts.json'}", "--prompt-logprobs",
                          "--max-num-seqs", str(tokens.shape[0]), "--max-model-len", str(a.max_model_len),
                          "--out", str(got)], work / f"vllm_{dt}.log", a.timeout)

@@ -5,14 +5,6 @@ import sys
 from export.convert import DTYPES, ExportError, export_checkpoint
 
 
-def _checkpoint_error():
-    try:
-        from laplace_jax.checkpoint import CheckpointError
-        return CheckpointError
-    except ImportError:  # pragma: no cover
-        return ExportError
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m export",
                                  description="Export a Laplace orbax checkpoint to a Hugging-Face-style "
@@ -25,9 +17,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", help=f"weight dtype: {' | '.join(DTYPES)}")
     ap.add_argument("--overwrite", action="store_true", help="allow a non-empty --out")
     a = ap.parse_args(argv)
+    from laplace_jax.checkpoint import CheckpointError   # jax and orbax: imported once there is work
     try:
         out = export_checkpoint(a.checkpoint, a.out, step=a.step, dtype=a.dtype, overwrite=a.overwrite)
-    except (ExportError, FileNotFoundError, ValueError, _checkpoint_error()) as e:
+    except (ExportError, FileNotFoundError, ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"exported to {out}")

@@ -191,10 +191,7 @@ def write_hf_folder(out: Path, cfg: Arch, tensors: dict, dtype: str, *, step: Op
 
 
 def save_tokenizer(out: Path, cfg: Arch, max_len: Optional[int] = None) -> None:
-    try:
-        from laplace_jax.data.tokenizer import save_hf_tokenizer
-    except ImportError as e:  # pragma: no cover - the data helper provides it
-        raise ExportError(f"cannot write the tokenizer: {e}") from None
+    from laplace_jax.data.tokenizer import save_hf_tokenizer
     save_hf_tokenizer(out, model_max_length=model_max_len(cfg, max_len))
 
 

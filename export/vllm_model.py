@@ -16,7 +16,6 @@ vLLM internals used (checked on 0.32 CPU and by reading 0.26): `MambaBase`, `IsA
 `.no_compile_layers`), `compilation_config.static_forward_context`, `direct_register_custom_op`.
 Do NOT add `from __future__ import annotations` here (breaks vLLM's dynamic-shape detection).
 """
-import os
 from collections.abc import Iterable
 from typing import Optional
 
@@ -33,12 +32,9 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from export.torch_model import LaplaceMixerWeights, _Norm, check_state_dict, layer_norm
 from laplace_jax.spec import Arch
 
-try:  # CUDA decode kernel (export/gla_triton.py); None where triton is missing (CPU installs)
-    from export import gla_triton as _gla_triton
-    if _gla_triton.triton is None:
-        _gla_triton = None
-except ImportError:  # pragma: no cover
-    _gla_triton = None
+from export import gla_triton
+
+_gla_triton = gla_triton if gla_triton.triton is not None else None   # None: no triton (CPU installs)
 
 try:  # vLLM >= 0.11
     from vllm.compilation.decorators import support_torch_compile
@@ -125,8 +121,6 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
             output[n:].zero_()
         if nd > 0:   # no host sync here: a decode-only batch may be captured in a full CUDA graph
             output[:nd] = self._decode(xn[:nd], conv_pool, gla_pool, slots[:nd], has_ctx[:nd]).to(output.dtype)
-        if _STATS and self.cfg and self.prefix.startswith("layers.0."):
-            _record_stats(has_ctx, nd, npf)
         if npf > 0:
             self._prefill(xn, output, conv_pool, gla_pool, slots, has_ctx,
                           _prefill_groups(md, qsl, has_ctx, nd, nreq, self.chunk, self.H * self.K * self.V))
@@ -220,17 +214,6 @@ def _prefill_groups(md, qsl, has_ctx, nd, nreq, chunk, hkv):
     except AttributeError:   # a metadata class with __slots__: recompute per layer
         pass
     return groups
-
-
-_STATS = os.environ.get("LAPLACE_VLLM_STATS")   # debug/test: append per-step batch make-up here
-
-
-def _record_stats(has_ctx, nd, npf):
-    hc = has_ctx.tolist()
-    rec = {"decodes": nd, "new_decodes": nd - sum(hc[:nd]), "prefills": npf,
-           "continued_prefills": sum(hc[nd:])}
-    with open(_STATS, "a") as f:
-        f.write(repr(rec) + "\n")
 
 
 def _laplace_mixer(xn: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:

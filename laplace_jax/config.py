@@ -11,6 +11,8 @@ import math
 import os
 import typing
 from dataclasses import dataclass, field
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,12 @@ import yaml
 
 from laplace_jax.spec import Arch, ConfigError
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# The shipped YAMLs live in the top-level configs/ folder; a wheel installs them as the package data
+# laplace_jax/configs (pyproject.toml maps one to the other). A source checkout or an editable
+# install has no laplace_jax/configs, and reads configs/ itself.
+_PACKAGED_CONFIGS = resources.files("laplace_jax") / "configs"
+CONFIG_DIR: Traversable = (_PACKAGED_CONFIGS if _PACKAGED_CONFIGS.is_dir()
+                           else Path(__file__).resolve().parent.parent / "configs")
 DEFAULT_CONFIG = "laplace_tiny"
 
 
@@ -281,15 +288,15 @@ def _set_dotted(tree: dict[str, Any], dotted: str, raw: str, cls: type) -> None:
             node_cls = typ
 
 
-def resolve_path(name_or_path: str | os.PathLike[str]) -> Path:
+def resolve_path(name_or_path: str | os.PathLike[str]) -> Path | Traversable:
     """`laplace_tiny`, `laplace_tiny.yaml` or a path → an existing YAML file."""
     p = Path(name_or_path)
     if p.exists():
         return p
-    for cand in (CONFIG_DIR / p, CONFIG_DIR / f"{p}.yaml"):
-        if cand.exists():
+    for cand in (CONFIG_DIR / str(p), CONFIG_DIR / f"{p}.yaml"):
+        if cand.is_file():
             return cand
-    avail = ", ".join(sorted(q.stem for q in CONFIG_DIR.glob("*.yaml")))
+    avail = ", ".join(sorted(q.name.removesuffix(".yaml") for q in CONFIG_DIR.iterdir() if q.name.endswith(".yaml")))
     raise ConfigError(f"config '{name_or_path}' not found: give a YAML path or one of: {avail}")
 
 

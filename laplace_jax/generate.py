@@ -71,10 +71,6 @@ class Generator:
         logits, state = decode_step(params, token, state, self.net)
         return logits, _sample(logits, key, self.sampling), state
 
-    def compiled_shapes(self) -> dict[str, int]:
-        """How many distinct shapes each jitted entry point has compiled so far."""
-        return {"prefill": self._prefill_jit._cache_size(), "decode": self._decode_jit._cache_size()}
-
     def _prefill_one(self, ids: Sequence[int]) -> tuple[jax.Array, Params]:
         """One prompt → (last-position logits [V], state of width 1)."""
         state = init_state(self.net.arch, 1)

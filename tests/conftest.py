@@ -6,14 +6,19 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+import collections  # noqa: E402
+import contextlib  # noqa: E402
 import importlib  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"   # scripts (`python benchmarks/x.py`); their helpers import as `import x`
+sys.path.insert(0, str(BENCHMARKS))
 
 
 def need(module: str):
@@ -22,6 +27,25 @@ def need(module: str):
     if os.environ.get("CI"):
         return importlib.import_module(module)
     return pytest.importorskip(module)
+
+
+@contextlib.contextmanager
+def count_compiles() -> Iterator[collections.Counter[str]]:
+    """XLA compilations inside the block, by function (`jit(prefill)`): jax.monitoring's backend
+    compile event fires once per executable built, never for a call that reuses one."""
+    import jax
+
+    counts: collections.Counter[str] = collections.Counter()
+
+    def listener(event: str, duration_secs: float, **kw) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            counts[str(kw.get("fun_name"))] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield counts
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 @pytest.fixture(scope="session")

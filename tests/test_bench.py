@@ -1,4 +1,4 @@
-"""`python -m laplace_jax.bench --smoke` on CPU: every section runs and prints positive numbers."""
+"""`python benchmarks/bench.py --smoke` on CPU: every section runs and prints positive numbers."""
 import json
 import os
 import subprocess
@@ -14,7 +14,7 @@ def test_bench_smoke(tmp_path):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     env["JAX_PLATFORMS"] = "cpu"
-    p = subprocess.run([sys.executable, "-m", "laplace_jax.bench", "--smoke", "--profile", "--out", str(tmp_path)],
+    p = subprocess.run([sys.executable, "benchmarks/bench.py", "--smoke", "--profile", "--out", str(tmp_path)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     want = ["ours chunk_simple_gla (num_chunks=16, hand_off=scan) fwd+bwd",
@@ -59,7 +59,7 @@ def _check_rows(out_dir, stdout, want):
 def test_bench_smoke_fsdp_two_devices(tmp_path):
     """The 2-device train rows (FSDP mesh + all_to_all Muon) run on two emulated CPU devices."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    p = subprocess.run([sys.executable, "-m", "laplace_jax.bench", "--smoke", "--parts", "train", "--devices", "2",
+    p = subprocess.run([sys.executable, "benchmarks/bench.py", "--smoke", "--parts", "train", "--devices", "2",
                         "--micro-batches", "2,2:train.grad_sync=micro", "--out", str(tmp_path)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -72,7 +72,7 @@ def test_bench_smoke_fsdp_two_devices(tmp_path):
 def test_gla_experimental_form_matches_reference():
     import jax.numpy as jnp
 
-    from laplace_jax.bench import gla_headmajor, gla_inputs
+    from bench import gla_headmajor, gla_inputs
     from test_gla import gla_roundings, magnitude, numpy_gla, within_f32
 
     x = gla_inputs(2, 64, 3, 8, 16, seed=3)

@@ -2,12 +2,10 @@
 
 Needs torch + safetensors (the `serve` extra); skipped without them."""
 import dataclasses
-import importlib
 import json
 import math
-import sys
-import types
 
+import jax
 import numpy as np
 import pytest
 
@@ -27,6 +25,7 @@ from laplace_jax.spec import Arch  # noqa: E402
 
 NET = load_config("laplace_tiny").net     # float32 compute
 ARCH = NET.arch
+from laplace_jax import config, model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +83,6 @@ def test_torch_full_forward_equals_recurrent_decode(exported):
 
 
 def test_jax_logits_equal_torch_logits(exported):
-    jax = pytest.importorskip("jax")
-    model = pytest.importorskip("laplace_jax.model")
     cfg, params, out = exported
     toks = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, cfg.seq_len))
     jl = np.asarray(model.LaplaceLM(NET).apply({"params": params}, jax.numpy.asarray(toks)))
@@ -98,8 +95,6 @@ def test_jax_logits_equal_torch_logits(exported):
 
 def test_jax_init_params_round_trip(tmp_path):
     """The lead's own initialiser → export → torch: same logits."""
-    jax = pytest.importorskip("jax")
-    model = pytest.importorskip("laplace_jax.model")
     cfg = ARCH
     params = jax.tree.map(np.asarray, model.init_params(cfg, jax.random.PRNGKey(3)))
     export_params(params, cfg, tmp_path / "o", "float32")
@@ -111,10 +106,6 @@ def test_jax_init_params_round_trip(tmp_path):
 
 
 def test_jax_greedy_equals_torch_greedy(exported):
-    jax = pytest.importorskip("jax")
-    model = pytest.importorskip("laplace_jax.model")
-    if not hasattr(model, "prefill") or not hasattr(model, "decode_step"):
-        pytest.skip("laplace_jax.model has no prefill/decode_step yet")
     jnp = jax.numpy
     cfg, params, out = exported
     m = LaplaceForCausalLM.from_pretrained(out)
@@ -177,8 +168,6 @@ def test_streamed_export_is_byte_identical(tmp_path, exported, dtype):
 @pytest.fixture(scope="module")
 def shapes_3b():
     """The shipped 3B config and its JAX parameter tree as ShapeDtypeStructs (nothing allocated)."""
-    config = pytest.importorskip("laplace_jax.config")
-    model = pytest.importorskip("laplace_jax.model")
     cfg = config.load_config("laplace_3b").model
     return cfg, model.param_shapes(cfg)
 
@@ -264,25 +253,10 @@ def test_wrong_param_tree_clear_error(tmp_path, exported):
         export_params(p, cfg, tmp_path / "o", "float32")
 
 
-def _fake_checkpoint_module(params, cfg, steps):
-    mod = types.ModuleType("laplace_jax.checkpoint")
-    mod.available_steps = lambda run_dir: list(steps)
-
-    def load_params(run_dir, step=None):
-        step = max(steps) if step is None else step
-        if step not in steps:
-            raise FileNotFoundError(step)
-        fresh = {**params, "layers": dict(params["layers"])}   # export_checkpoint empties the tree it gets
-        return fresh, types.SimpleNamespace(model=cfg), step
-    mod.load_params = load_params
-    return mod
-
-
-def test_cli_missing_step_lists_available(tmp_path, exported, monkeypatch, capsys):
+def test_cli_missing_step_lists_available(tmp_path, exported, capsys):
     cfg, params, _ = exported
     run = tmp_path / "run"
-    run.mkdir()
-    monkeypatch.setitem(sys.modules, "laplace_jax.checkpoint", _fake_checkpoint_module(params, cfg, [100, 200]))
+    write_run(run, params, cfg, [100, 200])
     from export.__main__ import main
     assert main(["--checkpoint", str(run), "--step", "150", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
@@ -299,12 +273,6 @@ def test_cli_missing_step_lists_available(tmp_path, exported, monkeypatch, capsy
 
 def test_cli_real_checkpoint(tmp_path, exported, capsys):
     """The lead's orbax layout → `python -m export` → torch logits = JAX logits; bad steps listed."""
-    jax = pytest.importorskip("jax")
-    try:
-        importlib.import_module("laplace_jax.checkpoint")
-    except ImportError:
-        pytest.skip("laplace_jax.checkpoint not written yet")
-    model = importlib.import_module("laplace_jax.model")
     cfg, params, _ = exported
     run = tmp_path / "run"
     write_run(run, params, cfg, [10, 20])

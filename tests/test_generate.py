@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import logit_atol
+from conftest import count_compiles, logit_atol
 from laplace_jax.config import Net, load_config
 from laplace_jax.generate import Generator, Sampling, pick_width
 from laplace_jax.model import forward, init_params
@@ -49,14 +49,14 @@ def test_greedy_equals_full_recompute(params):
 def test_batch_equals_single_and_shapes_are_fixed(params):
     gen = Generator(params, CFG, (1, 2, 4))
     prompts = [[1, 2, 3], [9] * 17, [5], [4, 4, 8, 15, 16, 23, 42]]
-    together = gen.generate(prompts, 8)
-    alone = [gen.generate([p], 8)[0] for p in prompts]
+    with count_compiles() as compiled:
+        together = gen.generate(prompts, 8)
+        alone = [gen.generate([p], 8)[0] for p in prompts]
+        gen.generate(prompts[:3], 8)   # width 3 → padded to 4
+        gen.generate(prompts[:2], 8)
     assert together == alone
-    gen.generate(prompts[:3], 8)   # width 3 → padded to 4
-    gen.generate(prompts[:2], 8)
-    shapes = gen.compiled_shapes()
-    assert shapes["prefill"] == 1              # one [1, chunk] piece, whatever the prompt lengths
-    assert shapes["decode"] == 3               # widths 1 (prompt tails), 2 and 4
+    assert compiled["jit(prefill)"] == 1               # one [1, chunk] piece, whatever the prompt lengths
+    assert compiled["jit(_decode_and_sample)"] == 3    # widths 1 (prompt tails), 2 and 4
 
 
 def test_sampling_is_seeded(params):

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, need
+from conftest import BENCHMARKS, ROOT, need
 
 need("torch")
 need("vllm")
@@ -18,7 +18,6 @@ pytestmark = pytest.mark.slow
 
 
 def test_bound_grows_with_dtype_depth_length_and_logit_scale():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from logprob_parity import bound
     b32 = bound("float32", 24, 3072, 2048, 7.25)
     # 3B float32: 8 * 2^-24 * (sqrt(8*24) + sqrt(24*2048) + sqrt(3072)) * 7.25
@@ -36,7 +35,7 @@ def test_vllm_prompt_logprobs_equal_jax_float32(trained_tiny, tmp_path):
     subprocess.run([sys.executable, "-m", "export", "--checkpoint", str(trained_tiny), "--out", str(folder),
                     "--dtype", "float32"], check=True, cwd=ROOT, env=env, timeout=600)
     work = tmp_path / "parity"
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "logprob_parity.py"),
+    p = subprocess.run([sys.executable, str(BENCHMARKS / "logprob_parity.py"),
                         "--checkpoint", str(trained_tiny), "--data", str(resolve_data_dir("")),
                         "--folder", f"float32={folder}", "--workdir", str(work), "--num-seqs", "2",
                         "--max-model-len", "1024"], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -18,11 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import mean_ce_rtol
+from conftest import count_compiles, mean_ce_rtol
+from hlo_checks import hlo_report, neuron_violations
 from laplace_jax.config import ConfigError, load_config, resolve_execution
 from laplace_jax.generate import Generator, Sampling, pick_width
 from laplace_jax.model import init_state, param_shapes
-from laplace_jax.neuron import hlo_report, host_init_params, host_key, neuron_violations
+from laplace_jax.neuron import host_init_params, host_key
 from laplace_jax.ops import chunk_simple_gla
 from laplace_jax.optim import build_optimizer
 from laplace_jax.platform import NEURON_INSTALL, select_platform
@@ -199,14 +200,15 @@ def test_staggered_arrivals_compile_only_configured_widths(setup):
     arrivals = [0, 0, 1, 3, 3, 3, 4, 6, 6, 7, 7, 7, 9, 12, 15]
     requests = [(t, [int(x) for x in rng.integers(0, cfg.model.vocab_size, int(rng.integers(1, 40)))],
                  int(rng.integers(2, 9))) for t in arrivals]
-    assert gen.compiled_shapes() == {"prefill": 0, "decode": 0}
-    outs, used = staggered(gen, requests)
-    assert len(set(used)) > 3 and set(used) == set(cfg.decode_widths), used  # the width changed, every bucket hit
-    assert sum(a != b for a, b in zip(used, used[1:])) >= 5, used
-    assert gen.compiled_shapes() == {"prefill": 1, "decode": len(cfg.decode_widths)}
-    alone = [gen.generate([p], n)[0] for _, p, n in requests]
+    with count_compiles() as compiled:
+        outs, used = staggered(gen, requests)
+        assert len(set(used)) > 3 and set(used) == set(cfg.decode_widths), used  # the width changed, every bucket hit
+        assert sum(a != b for a, b in zip(used, used[1:])) >= 5, used
+        after_staggered = (compiled["jit(prefill)"], compiled["jit(_decode_and_sample)"])
+        alone = [gen.generate([p], n)[0] for _, p, n in requests]
     assert outs == alone
-    assert gen.compiled_shapes() == {"prefill": 1, "decode": len(cfg.decode_widths)}
+    assert after_staggered == (1, len(cfg.decode_widths))
+    assert (compiled["jit(prefill)"], compiled["jit(_decode_and_sample)"]) == after_staggered
 
 
 # ----------------------------------------------------------------------------- GLA unrolled == default

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_trained_checkpoint_parity(trained_tiny, tmp_path):
-    p = subprocess.run([sys.executable, "-m", "export.parity", "--checkpoint", str(trained_tiny),
+    p = subprocess.run([sys.executable, "benchmarks/parity.py", "--checkpoint", str(trained_tiny),
                         "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=1800)
     print(p.stdout)  # the per-path table, bf16 included, lands in the test log
     assert p.returncode == 0 and "PARITY OK" in p.stdout, p.stdout + p.stderr[-4000:]

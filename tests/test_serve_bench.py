@@ -1,4 +1,4 @@
-"""export/serve_bench.py end to end on CPU (`--smoke`: tiny config, vLLM CPU, 4 short requests), plus
+"""benchmarks/serve_bench.py end to end on CPU (`--smoke`: tiny config, vLLM CPU, 4 short requests), plus
 the entry-point record it writes where the project is not installed.  vLLM runs in its own process
 (it starts worker processes), as in test_vllm.py.  About 1-2 min on 2 cores."""
 import json
@@ -10,12 +10,12 @@ from importlib.metadata import distributions
 
 import pytest
 
-from conftest import ROOT, need  # noqa: E402
+from conftest import BENCHMARKS, ROOT, need  # noqa: E402
 
 need("torch")
 need("vllm")
 
-from export import serve_bench  # noqa: E402
+import serve_bench  # noqa: E402  (benchmarks/serve_bench.py)
 
 
 def _env(**extra):
@@ -78,7 +78,7 @@ def test_classify_steps_not_pure():
 @pytest.mark.slow
 def test_serve_bench_smoke(tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "export.serve_bench", "--smoke", "--out", str(out)]
+    cmd = [sys.executable, str(BENCHMARKS / "serve_bench.py"), "--smoke", "--out", str(out)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env(), cwd=ROOT)
     assert p.returncode == 0, f"serve_bench failed (rc={p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}"
     res = json.loads((out / "serve_bench.json").read_text())

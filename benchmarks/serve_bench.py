@@ -1,10 +1,10 @@
 """Serving benchmark of a random-weight Laplace model through unmodified vLLM (offline `LLM`).
 
-    python -m export.serve_bench --out DIR [--requests 1280 --prompt-len 2048 --new-tokens 256
+    python benchmarks/serve_bench.py --out DIR [--requests 1280 --prompt-len 2048 --new-tokens 256
         --long-prompt-len 8192 --long-requests 128 --max-num-batched-tokens 16384 --gpu-mem 0.90
         --step-requests 64 --step-new-tokens 64 --step-repeats 2]
         [--enforce-eager] [--skip-step] [--skip-long] [--model-dir DIR] [--llm-kwargs JSON]
-    python -m export.serve_bench --smoke --out DIR      # CPU, tiny config, a few requests (the test)
+    python benchmarks/serve_bench.py --smoke --out DIR      # CPU, tiny config, a few requests (the test)
 
 Phases (each prints a timestamped line; every result row is appended to DIR/serve_rows.txt as soon
 as it is known, so a run killed part-way still reports what it measured):
@@ -123,6 +123,7 @@ def write_entry_point_dist(site: Path) -> Path:
 def ensure_plugin_entry_point(work: Path) -> str:
     """Make `vllm.general_plugins: laplace` visible here and in every process vLLM starts."""
     _prepend_pythonpath(str(REPO_ROOT))           # `export` importable whatever the workers' cwd
+    _prepend_pythonpath(str(Path(__file__).resolve().parent))   # and vllm_check (_pool_info)
     if plugin_registered():
         return "installed"
     site = work / "entry_points"
@@ -195,7 +196,7 @@ def _model_folder(args, cfg, dtype, device, max_len) -> tuple:
 def _pool_info(worker):
     """Runs in the vLLM worker: state bytes per sequence slot, slots in the pool, decode path."""
     from export import vllm_model
-    from export.vllm_check import _state_bytes
+    from vllm_check import _state_bytes   # benchmarks/vllm_check.py (this script's folder)
 
     info = _state_bytes(worker)
     runner = worker.model_runner
@@ -446,7 +447,7 @@ def _step_rows(rows: Rows, name: str, c: dict, st: dict, n: int) -> None:
 # ----------------------------------------------------------------------------- main
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m export.serve_bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="benchmarks/serve_bench.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for serve_rows.txt, serve_bench.md/.json")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny config, a few short requests")
     ap.add_argument("--requests", type=int, default=None)

@@ -1,4 +1,4 @@
-"""`python -m laplace_jax.bench [--smoke] [--parts gla,train,decode] [--out DIR]`
+"""`python benchmarks/bench.py [--smoke] [--parts gla,train,decode] [--out DIR]`
 
 GPU performance rows of issue 6, measured in one process and printed as one table:
 
@@ -155,7 +155,7 @@ def run_fla(shape: dict[str, int], iters: int, reps: int, tmp: str, timeout: flo
             return {"skipped": "torch or fla not importable"}
     except Exception as e:  # noqa: BLE001
         return {"skipped": f"import check failed: {e}"}
-    code = ("import sys; from laplace_jax.bench import fla_worker; "
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from bench import fla_worker; "
             "fla_worker(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))")
     env = dict(os.environ)
     env.pop("JAX_PLATFORMS", None)
@@ -624,7 +624,7 @@ def bench_decode(t: Table, cfg, params, widths: list[int], iters: int, reps: int
 # ----------------------------------------------------------------------------- main
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m laplace_jax.bench", description=__doc__.split("\n\n")[1])
+    ap = argparse.ArgumentParser(prog="benchmarks/bench.py", description=__doc__.split("\n\n")[1])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU, < 60 s): checks the code paths")
     ap.add_argument("--parts", default="gla,train,decode", help="comma list of gla, train, decode")
     ap.add_argument("--config", default="laplace_3b", help="model/optimizer config for train and decode")

@@ -1,6 +1,6 @@
 """End-to-end plumbing check on any machine with torch + vLLM (used for the vLLM 0.26 GPU check):
 
-    python -m export.selfcheck [--workdir DIR] [--modes eager,default] [--dtype float32]
+    python benchmarks/selfcheck.py [--workdir DIR] [--modes eager,default] [--dtype float32]
 
 Exports the tiny config with random weights (no tokenizer, no JAX needed), then for each vLLM mode
 compares greedy 48-token outputs with the plain-torch reference on 3 prompts and on a
@@ -14,10 +14,11 @@ import random
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m export.selfcheck")
+    ap = argparse.ArgumentParser(prog="benchmarks/selfcheck.py")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--modes", default="eager,default")
     ap.add_argument("--dtype", default="float32")
@@ -42,7 +43,7 @@ def main(argv=None):
         for name, prompts, extra in (("3 prompts", p3, ["--max-num-seqs", "4"]),
                                      ("batching", p9, ["--max-num-seqs", "2", "--max-num-batched-tokens",
                                                        "32", "--staggered", "3"])):
-            cmd = [sys.executable, "-m", "export.vllm_check", "--model", folder, "--no-tokenizer",
+            cmd = [sys.executable, str(Path(__file__).with_name("vllm_check.py")), "--model", folder, "--no-tokenizer",
                    "--dtype", a.dtype, "--prompts", json.dumps(prompts), *extra]
             if mode == "default":
                 cmd.append("--compile")
