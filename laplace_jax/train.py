@@ -505,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-processes", type=int, default=None)
     ap.add_argument("--process-id", type=int, default=None)
     ap.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. optim.lr=3e-3")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)   # overrides may come before and after the flags
     try:
         overrides = list(args.overrides) + ([f"platform={args.platform}"] if args.platform else [])
         cfg = load_config(args.config, overrides)
