@@ -16,7 +16,7 @@ def _preset_local_devices(argv: list[str]) -> None:
     for i, a in enumerate(argv):
         n = a.split("=", 1)[1] if a.startswith("--local-devices=") else (
             argv[i + 1] if a == "--local-devices" and i + 1 < len(argv) else None)
-        if n:
+        if n and n.isdigit():   # anything else: argparse names the bad value
             flags = os.environ.get("XLA_FLAGS", "")
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={int(n)}".strip()
 
@@ -41,6 +41,7 @@ import optax  # noqa: E402
 import yaml  # noqa: E402
 
 from laplace_jax import checkpoint as ckpt  # noqa: E402
+from laplace_jax.cli import EXIT_USAGE, Parser, positive_int  # noqa: E402
 from laplace_jax.config import DEFAULT_CONFIG, Config, ConfigError, config_to_dict, load_config  # noqa: E402
 from laplace_jax.data.corpus import DataError  # noqa: E402
 from laplace_jax.data.pipeline import make_eval_batches, make_train_iterator, resolve_data_dir  # noqa: E402
@@ -63,7 +64,7 @@ PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12}
 # run failed on its way (non-finite step, a checkpoint that could not be written); 128 + signal number
 # after SIGTERM/SIGINT (checkpoint saved, the run not finished), as shells report a signal's death, so
 # `train && export` never exports a half-trained model.
-EXIT_USAGE, EXIT_FAILED = 2, 1
+EXIT_FAILED = 1
 
 
 class TrainError(RuntimeError):
@@ -495,14 +496,14 @@ def _init_distributed(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m laplace_jax.train", description=__doc__.split("\n\n")[1])
+    ap = Parser(prog="python -m laplace_jax.train", description=__doc__.split("\n\n")[1])
     ap.add_argument("--config", default=DEFAULT_CONFIG, help="config name in configs/ or a YAML path")
     ap.add_argument("--run-dir", default="runs/tiny", help="checkpoints and metrics; resumes if it has any")
-    ap.add_argument("--steps", type=int, default=None, help="train until this step (default: train.steps)")
+    ap.add_argument("--steps", type=positive_int, default=None, help="train until this step (default: train.steps)")
     ap.add_argument("--platform", default=None, choices=["auto", "cpu", "gpu", "neuron"])
-    ap.add_argument("--local-devices", type=int, default=None, help="emulated CPU devices per process")
+    ap.add_argument("--local-devices", type=positive_int, default=None, help="emulated CPU devices per process")
     ap.add_argument("--coordinator", default=None)
-    ap.add_argument("--num-processes", type=int, default=None)
+    ap.add_argument("--num-processes", type=positive_int, default=None)
     ap.add_argument("--process-id", type=int, default=None)
     ap.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. optim.lr=3e-3")
     args = ap.parse_intermixed_args(argv)   # overrides may come before and after the flags

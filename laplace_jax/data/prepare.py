@@ -28,7 +28,6 @@ manifest is written last, so an interrupted run never leaves a folder that looks
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import fcntl
 import json
@@ -45,6 +44,7 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from laplace_jax.cli import EXIT_USAGE, Parser, positive_int
 from laplace_jax.data.corpus import DEMO_CREDIT, DataError, demo_corpus_path, expand_inputs, iter_pieces
 
 MANIFEST = "manifest.json"
@@ -425,14 +425,14 @@ def ensure_demo_data(cache_dir: str | os.PathLike[str] | None = None, *,
 # ----------------------------------------------------------------------------- CLI
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m laplace_jax.data.prepare", description=__doc__.split("\n")[0])
+    ap = Parser(prog="python -m laplace_jax.data.prepare", description=__doc__.split("\n")[0])
     ap.add_argument("--input", nargs="+", required=True, metavar="PATH",
                     help=".txt/.jsonl/.parquet/.json files or directories, or `demo`")
     ap.add_argument("--out", required=True, metavar="DIR", help="output folder for shards + manifest.json")
     ap.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,
                     help="fraction of documents held out (default %(default)s)")
-    ap.add_argument("--workers", type=int, default=2, help="tokenizer processes (default %(default)s)")
-    ap.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
+    ap.add_argument("--workers", type=positive_int, default=2, help="tokenizer processes (default %(default)s)")
+    ap.add_argument("--shard-tokens", type=positive_int, default=DEFAULT_SHARD_TOKENS,
                     help="tokens per shard file (default %(default)s)")
     ap.add_argument("--force", action="store_true",
                     help="tokenize again even if the output is up to date; replace a dataset of other inputs")
@@ -443,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 shard_tokens=args.shard_tokens, force=args.force, progress=not args.quiet)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("error: interrupted; the output folder was left as it was", file=sys.stderr)
         return 130
