@@ -226,11 +226,15 @@ class Run:
         finally:
             self.mngr.close()
             self.log.close()
-            close = getattr(self.data_iter, "close", None)
-            if close:
-                close()
+            _close_iterator(self.data_iter)
             self.unlog()
             self.lock.release()
+
+
+def _close_iterator(data_iter) -> None:
+    close = getattr(data_iter, "close", None)   # grain's worker processes, where there are any
+    if close:
+        close()
 
 
 def _lock_run_dir(run_dir: Path) -> RunDirLock:
@@ -250,7 +254,7 @@ def _lock_run_dir(run_dir: Path) -> RunDirLock:
     return lock
 
 
-def _make_evaluator(prog: TrainProgram, eval_batches: list, nproc: int) -> Callable[[Any], float]:
+def _make_evaluator(prog: TrainProgram, eval_batches: list) -> Callable[[Any], float]:
     """params -> the mean loss over the fixed held-out batches."""
     mesh, L = prog.mesh, prog.layout
     eval_sh = batch_sharding(mesh, 2)
@@ -288,7 +292,11 @@ def open_run(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quie
     eval_batches = make_eval_batches(data_dir, seq_len=L.seq_len, batch_size=L.micro // nproc,
                                      num_batches=cfg.train.eval_batches, vocab_size=cfg.model.vocab_size,
                                      process_index=pid, process_count=nproc)
-    lock = _lock_run_dir(run_dir)
+    try:
+        lock = _lock_run_dir(run_dir)
+    except RunDirBusy:
+        _close_iterator(data_iter)
+        raise
     unlog = ckpt.log_orbax_to(run_dir)
     try:
         mngr = ckpt.make_manager(run_dir, keep=cfg.train.keep_ckpts, async_save=cfg.train.async_ckpt)
@@ -305,10 +313,11 @@ def open_run(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quie
         log = RunLog.for_run(run_dir, cfg.train.steps if steps is None else steps, start, is_main)
     except BaseException:
         unlog()
+        _close_iterator(data_iter)
         lock.release()
         raise
     return Run(cfg, run_dir, cfg.train.steps if steps is None else steps, prog, data_dir, data_iter,
-               _make_evaluator(prog, eval_batches, nproc), mngr, lock, unlog, log, params, opt_state, rng, start,
+               _make_evaluator(prog, eval_batches), mngr, lock, unlog, log, params, opt_state, rng, start,
                latest is not None, t_restore)
 
 
@@ -395,30 +404,37 @@ class _Saver:
             raise ckpt.save_failed(self.run.run_dir, step, e, self.need, self.last_good) from None
 
 
-def run_loop(run: Run) -> dict[str, Any]:
-    """Step until `run.total`, a signal (SIGTERM/SIGINT: finish the step, save, stop) or a non-finite
-    step; rows go to `run.log`'s hooks, checkpoints every cfg.train.ckpt_every steps and at the end."""
-    cfg, prog, log = run.cfg, run.prog, run.log
+def _announce_and_compile(run: Run) -> tuple[Callable, Callable]:
+    """Print the run's set-up; compile the step and the on-device finite check once, before step 1."""
+    prog, log = run.prog, run.log
     L, mesh = prog.layout, prog.mesh
-    abs_p, abs_o, abs_b = prog.abstract_args()
-    schedule = make_schedule(cfg.optim)
-    flop_per_token = 6 * sum(int(np.prod(s.shape)) for s in jax.tree.leaves(prog.shapes)) + 3 * gla_flop_per_token(cfg)
-    peak = _peak_flops(cfg)
-    tokens_per_step = L.seqs_per_step * L.seq_len
-    log.note(f"laplace_jax.train: {cfg.name} | {jax.device_count()} {jax.devices()[0].platform} device(s), "
-             f"mesh {dict(mesh.shape)}, {jax.process_count()} process(es) | {tokens_per_step:,} tokens/step = "
-             f"{L.accum} x {L.micro} x {L.seq_len} | data {run.data_dir}")
+    log.note(f"laplace_jax.train: {run.cfg.name} | {jax.device_count()} {jax.devices()[0].platform} device(s), "
+             f"mesh {dict(mesh.shape)}, {jax.process_count()} process(es) | {L.seqs_per_step * L.seq_len:,} "
+             f"tokens/step = {L.accum} x {L.micro} x {L.seq_len} | data {run.data_dir}")
     log.note(str(prog.report))
     if run.resumed:
         log.note(f"resumed from step {run.start} ({run.run_dir / 'checkpoints' / str(run.start)}) "
                  f"in {run.t_restore:.1f} s")
-    t_compile = time.perf_counter()
-    step_fn = prog.step_fn.lower(abs_p, abs_o, abs_b).compile()   # compiled once, before step 1
+    t0 = time.perf_counter()
+    abs_p, abs_o, abs_b = prog.abstract_args()
+    step_fn = prog.step_fn.lower(abs_p, abs_o, abs_b).compile()
     # the new parameters and optimizer state are checked on the device after every step, before any save
     finite_fn = jax.jit(all_finite, in_shardings=(prog.param_sh, prog.opt_sh),
                         out_shardings=replicated(mesh)).lower(abs_p, abs_o).compile()
-    log.note(f"compiled the train step in {time.perf_counter() - t_compile:.1f} s")
+    log.note(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
+    return step_fn, finite_fn
 
+
+def run_loop(run: Run) -> dict[str, Any]:
+    """Step until `run.total`, a signal (SIGTERM/SIGINT: finish the step, save, stop) or a non-finite
+    step; rows go to `run.log`'s hooks, checkpoints every cfg.train.ckpt_every steps and at the end."""
+    cfg, prog, log = run.cfg, run.prog, run.log
+    L = prog.layout
+    schedule = make_schedule(cfg.optim)
+    flop_per_token = 6 * sum(int(np.prod(s.shape)) for s in jax.tree.leaves(prog.shapes)) + 3 * gla_flop_per_token(cfg)
+    peak = _peak_flops(cfg)
+    tokens_per_step = L.seqs_per_step * L.seq_len
+    step_fn, finite_fn = _announce_and_compile(run)
     saver, stop = _Saver(run), _Stop()
     step = run.start
     summary: dict[str, Any] = {"run_dir": str(run.run_dir), "start_step": run.start, "losses": {}}
