@@ -20,6 +20,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -90,7 +91,9 @@ class TensorBoardLog:
     def __init__(self, run_dir: Path, resumed_step: int):
         from tensorboardX import SummaryWriter
 
-        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resumed_step + 1, flush_secs=3600)
+        # the suffix keeps two writers started within one second (the name holds seconds) from sharing a file
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resumed_step + 1, flush_secs=3600,
+                                    filename_suffix=f".{time.time_ns()}")
 
     def log(self, rec: dict[str, Any], show: bool) -> None:
         for key, tag in TB_TAGS.items():

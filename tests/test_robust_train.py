@@ -181,3 +181,38 @@ def test_disk_full_and_failed_background_save(tmp_path):
         assert _rows(tmp_path / "efbig")[-1]["step"] <= 4
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+# ----------------------------------------------------------------------------- the logs alone (no training)
+
+def _row(step):
+    return {"step": step, "loss": 10.0 / step, "grad_norm": 1.0 + step, "lr": 1e-3 * step, "tokens_per_s": 500.0,
+            "step_time_s": 0.5, "mfu": None, **({"eval_loss": 9.0 / step} if step % 2 == 0 else {})}
+
+
+def test_resumed_logs_hold_each_step_once(tmp_path):
+    """A run killed after logging steps 1-5 (a torn 6th line), resumed from checkpoint 3, logs 4-6 again:
+    metrics.jsonl and TensorBoard's reader both give steps 1-6 once, with the resumed values."""
+    from laplace_jax.metrics import JsonlLog, TensorBoardLog
+
+    first = [JsonlLog(tmp_path, 0), TensorBoardLog(tmp_path, 0)]
+    for s in range(1, 6):
+        for h in first:
+            h.log(_row(s), show=False)
+    for h in first:
+        h.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "lo')                       # SIGKILL mid-write
+    resumed = [JsonlLog(tmp_path, 3), TensorBoardLog(tmp_path, 3)]
+    assert [r["step"] for r in _rows(tmp_path)] == [1, 2, 3]
+    again = {s: dict(_row(s), loss=20.0 + s) for s in (4, 5, 6)}
+    for s in (4, 5, 6):
+        for h in resumed:
+            h.log(again[s], show=False)
+    for h in resumed:
+        h.close()
+    want = [_row(s) for s in (1, 2, 3)] + [again[s] for s in (4, 5, 6)]
+    assert _rows(tmp_path) == want
+    tb = _scalars(tmp_path)
+    assert tb["train/loss"] == [(r["step"], np.float32(r["loss"])) for r in want]
+    assert [s for s, _ in tb["eval/loss"]] == [2, 4, 6] and "perf/mfu" not in tb   # None is not logged
