@@ -7,8 +7,8 @@ STAGE (run them in this order; each fits one device-tool call on an H200 at 3B):
   train   `python -m laplace_jax.train` for --steps steps into W/run_a (uninterrupted)
   resume  the same command into W/run_b with train.ckpt_every=--kill-after: SIGKILL once that
           checkpoint is committed, start the same command again, and compare every step's loss in
-          the two metrics.jsonl files (W/run_b keeps the rows of both processes; the resumed
-          process's row of a step is the one compared)
+          the two metrics.jsonl files (W/run_b keeps the killed process's rows up to the
+          checkpoint, the resumed process drops the later ones, and its rows follow)
   export  `python -m export` of W/run_b's last checkpoint, once per dtype: wall time, peak RSS
   parity  `benchmarks/logprob_parity.py`: JAX vs vLLM log-probabilities on held-out tokens
   report  the stages' figures as one markdown table (W/e2e.md)
@@ -114,7 +114,8 @@ def stage_resume(a, w: Path) -> dict[str, Any]:
     if not first["killed"]:
         raise SystemExit(f"error: the run ended before checkpoint {a.kill_after} was committed: "
                          f"use --steps > --kill-after")
-    before = len(_rows(run))
+    killed_rows = _rows(run)
+    before = sum(r["step"] <= a.kill_after for r in killed_rows)   # the resumed run drops the others
     second = _run(cmd, w / "train_b2.log", a.timeout)
     for step in available_steps(run)[:-1]:                          # export reads the last one only
         shutil.rmtree(run / "checkpoints" / str(step))
@@ -126,7 +127,7 @@ def stage_resume(a, w: Path) -> dict[str, Any]:
     diffs = {s: abs(merged[s]["loss"] - ref[s]["loss"]) for s in sorted(ref) if s in merged}
     evals = [(r.get("eval_loss"), merged.get(s, {}).get("eval_loss")) for s, r in ref.items() if "eval_loss" in r]
     return {"killed_process": first, "resumed_process": second, "rows_before_kill": before,
-            "rows_of_killed_process_past_checkpoint": sum(r["step"] > a.kill_after for r in rows[:before]),
+            "rows_of_killed_process_past_checkpoint": sum(r["step"] > a.kill_after for r in killed_rows),
             "resumed_from": min(resumed) - 1 if resumed else None,
             "loss_abs_diff_per_step": diffs, "bit_exact": all(d == 0 for d in diffs.values())
             and all(x == y for x, y in evals), "eval_losses_a_b": evals,

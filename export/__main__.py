@@ -1,12 +1,12 @@
 """python -m export --checkpoint RUN_DIR [--step N] --out DIR [--dtype bfloat16|float32] [--overwrite]"""
-import argparse
 import sys
 
 from export.convert import DTYPES, ExportError, export_checkpoint
+from laplace_jax.cli import EXIT_USAGE, Parser
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m export",
+    ap = Parser(prog="python -m export",
                                  description="Export a Laplace orbax checkpoint to a Hugging-Face-style "
                                              "folder that plain torch and vLLM load. Reads the parameters "
                                              "only (not the optimizer state); peak host memory is about "
@@ -22,7 +22,11 @@ def main(argv=None) -> int:
         out = export_checkpoint(a.checkpoint, a.out, step=a.step, dtype=a.dtype, overwrite=a.overwrite)
     except (ExportError, FileNotFoundError, ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except OSError as e:   # a read-only or full --out
+        print(f"error: cannot write {e.filename or a.out} ({e.strerror}): choose a writable --out with free space",
+              file=sys.stderr)
+        return EXIT_USAGE
     print(f"exported to {out}")
     return 0
 

@@ -11,9 +11,15 @@ shardings, also when the device count changed since the save.
 """
 from __future__ import annotations
 
+import errno
 import json
+import logging
+import os
+import re
+import shutil
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import grain
 import jax
@@ -58,6 +64,111 @@ def save(mngr: ocp.CheckpointManager, step: int, params: Any, train: Any, data_i
     mngr.save(step, args=ocp.args.Composite(
         params=ocp.args.StandardSave(params), train=ocp.args.StandardSave(train),
         data=grain.checkpoint.CheckpointSave(data_iter), meta=ocp.args.JsonSave(meta)), force=force)
+
+
+_SPACE_FIX = "free up space on that disk or move the run dir to a larger one, then resume with the same command"
+
+
+class SaveError(RuntimeError):
+    """A checkpoint could not be written (disk full, I/O error); the message names the path, the space
+    needed and the last checkpoint that is intact."""
+
+
+def arrays_bytes(*trees: Any) -> int:
+    """Bytes of every array in `trees` (shapes or arrays): what a checkpoint of them writes (orbax
+    stores the arrays uncompressed; its metadata adds a few kB)."""
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(trees))
+
+
+LOG_NAME = "orbax.log"
+
+
+def log_orbax_to(run_dir: Path) -> Callable[[], None]:
+    """Send orbax's log records (the `absl` logger: a failed background save logs one traceback per
+    thread, hundreds of lines) and the exceptions its aborted tensorstore writes leave unraisable
+    ("Event loop is closed" from callbacks into a finished event loop) to `run_dir/orbax.log` instead of
+    the terminal, which gets one `error:` line naming that file. Returns the undo."""
+    logger = logging.getLogger("absl")
+    name = LOG_NAME if jax.process_index() == 0 else f"orbax.process{jax.process_index()}.log"
+    handler = logging.FileHandler(run_dir / name, delay=True)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(threadName)s: %(message)s"))
+    old_propagate, old_hook = logger.propagate, sys.unraisablehook
+    logger.addHandler(handler)
+    logger.propagate = False
+
+    def unraisable(u) -> None:
+        logger.warning("unraisable exception in %r: %s", u.object, u.err_msg or "",
+                       exc_info=(u.exc_type, u.exc_value, u.exc_traceback))
+
+    sys.unraisablehook = unraisable
+
+    def undo() -> None:
+        sys.unraisablehook = old_hook
+        logger.removeHandler(handler)
+        logger.propagate = old_propagate
+        handler.close()
+
+    return undo
+
+
+def save_bytes(run_dir: str | Path, arrays: int) -> int:
+    """Free space a new checkpoint needs: the size on disk of the latest committed one (orbax may
+    compress: a young run's optimizer state takes less than its bytes), else `arrays` (arrays_bytes)."""
+    steps = available_steps(run_dir)
+    if not steps:
+        return arrays
+    d = checkpoint_dir(run_dir) / str(steps[-1])
+    return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+
+
+def _last_intact(run_dir: str | Path, last_good: int | None) -> str:
+    return (f"the last checkpoint, step {last_good} ({checkpoint_dir(run_dir) / str(last_good)}), is intact"
+            if last_good is not None else "no checkpoint was saved before")
+
+
+def space_check(run_dir: str | Path, step: int, need: int, last_good: int | None) -> str | None:
+    """Why a save of `need` bytes at `step` cannot start (too little free space), or None. Checked before
+    a save so a full disk stops the run with one clear line instead of a failing background write.
+    Only process 0's verdict counts (multi-host: it is broadcast), as with the run dir lock."""
+    if jax.process_index() != 0:
+        return None
+    d = checkpoint_dir(run_dir)
+    try:
+        free = shutil.disk_usage(d).free
+    except OSError:
+        return None   # unknown: the save itself will tell
+    if free >= need:
+        return None
+    return (f"checkpoint step {step} was not written to {d}: it needs about {need / 1e6:,.0f} MB and "
+            f"{free / 1e6:,.0f} MB are free; {_last_intact(run_dir, last_good)}: {_SPACE_FIX}")
+
+
+def save_failed(run_dir: str | Path, step: int, err: BaseException, need: int, last_good: int | None) -> SaveError:
+    """A save that failed (synchronously or in the background) as one line; its unfinished temporary
+    folder is removed (orbax never commits it, and it may hold the space a retry needs)."""
+    d = checkpoint_dir(run_dir)
+    if jax.process_index() == 0 and d.is_dir():
+        for tmp in d.glob(f"{step}.orbax-checkpoint-tmp*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+    chain, e = [], err
+    while e is not None and len(chain) < 10:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    text = " ".join(str(x) for x in chain)
+    codes = [x.errno for x in chain if isinstance(getattr(x, "errno", None), int)]
+    codes += [int(c) for c in re.findall(r"os_error_code='(\d+)'", text)]   # tensorstore's errors
+    if errno.ENOSPC in codes or "No space left" in text:
+        free = shutil.disk_usage(d).free if d.is_dir() else 0
+        why = f"no space left on device (it needs about {need / 1e6:,.0f} MB, {free / 1e6:,.0f} MB are free)"
+        fix = _SPACE_FIX
+    elif codes:
+        why, fix = f"{os.strerror(codes[0])} (errno {codes[0]})", "fix the cause and resume with the same command"
+    else:
+        first = next((ln for ln in str(err).splitlines() if ln.strip()), type(err).__name__)
+        why, fix = f"{type(err).__name__}: {first.strip()[:200]}", "fix the cause and resume with the same command"
+    return SaveError(f"checkpoint step {step} could not be written to {d}: {why}; "
+                     f"{_last_intact(run_dir, last_good)}: {fix} (orbax's log: {Path(run_dir) / LOG_NAME})")
 
 
 def _unreadable(run_dir: str | Path, step: int, err: Exception) -> CheckpointError:

@@ -310,6 +310,12 @@ def load_config(name_or_path: str | os.PathLike[str] | None = None,
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]}): fix the file") from None
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+            raise ConfigError(f"config {path} cannot be read ({why}): give a YAML file") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: holds a YAML {type(data).__name__}, not a mapping of sections "
+                              f"(model:, optim:, train:, ...): fix the file")
     return from_dict(data, overrides)
 
 

@@ -8,9 +8,9 @@ padded to the next width) — so new prompt lengths or batch sizes never trigger
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -120,11 +120,31 @@ class Generator:
         return out
 
 
+def _check_args(args, prompts: list[str]) -> str | None:
+    """What is wrong with the generation flags, checked before the checkpoint is read, or None."""
+    for i, p in enumerate(prompts, 1):
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError as e:   # argv bytes that are not UTF-8 arrive as lone surrogates
+            return (f"--prompt #{i} is not UTF-8 text (byte 0x{ord(p[e.start]) & 0xFF:02x} at offset "
+                    f"{len(p[:e.start].encode('utf-8', 'surrogateescape'))}): pass UTF-8 text")
+        if not p:
+            return f"--prompt #{i} is empty: give at least one character of text"
+    if args.max_new_tokens < 1:
+        return f"--max-new-tokens {args.max_new_tokens}: must be at least 1"
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        return f"--temperature {args.temperature}: must be a finite number >= 0 (0 = greedy)"
+    if args.top_k < 0:
+        return f"--top-k {args.top_k}: must be >= 0 (0 = no cut)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     from laplace_jax.checkpoint import CheckpointError, load_params
+    from laplace_jax.cli import EXIT_USAGE, Parser
     from laplace_jax.data.tokenizer import get_tokenizer
 
-    ap = argparse.ArgumentParser(prog="python -m laplace_jax.generate", description=__doc__.split("\n\n")[1])
+    ap = Parser(prog="python -m laplace_jax.generate", description=__doc__.split("\n\n")[1])
     ap.add_argument("--checkpoint", required=True, help="a training run dir (RUN_DIR)")
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     ap.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
@@ -140,6 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from laplace_jax.config import ConfigError, resolve_execution
     from laplace_jax.platform import select_platform
+    problem = _check_args(args, args.prompt)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    tok = get_tokenizer()
+    prompts = [tok.encode(p) for p in args.prompt]
     try:
         select_platform(args.platform or "auto")  # before any array exists
         params, cfg, step = load_params(args.checkpoint, args.step)
@@ -147,18 +173,15 @@ def main(argv: list[str] | None = None) -> int:
             cfg = dataclasses.replace(cfg, platform=args.platform)
         cfg = dataclasses.replace(cfg, execution=dataclasses.replace(cfg.execution, compute_dtype=args.dtype))
         cfg = resolve_execution(cfg, jax.default_backend())
-    except (CheckpointError, ConfigError) as e:
+        if args.top_k > cfg.model.vocab_size:
+            raise ConfigError(f"--top-k {args.top_k}: larger than the vocabulary ({cfg.model.vocab_size})")
+        pick_width(len(prompts), cfg.decode_widths)
+    except (CheckpointError, ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
-    tok = get_tokenizer()
+        return EXIT_USAGE
     gen = Generator(jax.tree.map(jnp.asarray, params), cfg.net, cfg.decode_widths,
                     Sampling(args.temperature, args.top_k, args.seed))
-    prompts = [tok.encode(p) for p in args.prompt]
-    try:
-        outs = gen.generate(prompts, args.max_new_tokens, None if args.ignore_eos else tok.eos_id)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    outs = gen.generate(prompts, args.max_new_tokens, None if args.ignore_eos else tok.eos_id)
     for text, ids, out in zip(args.prompt, prompts, outs):
         print(f"--- step {step} | prompt: {text!r}")
         print(text + tok.decode(out))

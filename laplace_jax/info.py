@@ -13,7 +13,6 @@ notes.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from laplace_jax.cli import EXIT_USAGE, Parser, positive_int
 from laplace_jax.config import Config, ConfigError, load_config
 from laplace_jax.model import init_state, param_shapes
 from laplace_jax.optim.optimizer import is_muon_path, key_name
@@ -127,20 +127,17 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m laplace_jax.info", description=__doc__.split("\n\n")[1])
+    ap = Parser(prog="python -m laplace_jax.info", description=__doc__.split("\n\n")[1])
     ap.add_argument("--config", default="laplace_3b", help="config name in configs/ or a YAML path")
-    ap.add_argument("--ranks", type=int, default=64, help="ranks for the Muon traffic figures")
+    ap.add_argument("--ranks", type=positive_int, default=64, help="ranks for the Muon traffic figures")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.ranks <= 0:
-        print("error: --ranks must be positive", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     r = model_report(cfg, args.ranks)
     print(json.dumps(r, indent=1) if args.json else format_report(r))
     return 0

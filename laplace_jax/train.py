@@ -16,7 +16,7 @@ def _preset_local_devices(argv: list[str]) -> None:
     for i, a in enumerate(argv):
         n = a.split("=", 1)[1] if a.startswith("--local-devices=") else (
             argv[i + 1] if a == "--local-devices" and i + 1 < len(argv) else None)
-        if n:
+        if n and n.isdigit():   # anything else: argparse names the bad value
             flags = os.environ.get("XLA_FLAGS", "")
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={int(n)}".strip()
 
@@ -26,7 +26,6 @@ if __name__ == "__main__":
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
 import signal  # noqa: E402
 import time  # noqa: E402
@@ -42,6 +41,7 @@ import optax  # noqa: E402
 import yaml  # noqa: E402
 
 from laplace_jax import checkpoint as ckpt  # noqa: E402
+from laplace_jax.cli import EXIT_USAGE, Parser, positive_int  # noqa: E402
 from laplace_jax.config import (DEFAULT_CONFIG, Config, ConfigError, config_to_dict, load_config,  # noqa: E402
                                 resolve_execution)
 from laplace_jax.data.corpus import DataError  # noqa: E402
@@ -51,12 +51,21 @@ from laplace_jax.grad_accum import accumulate, loss_fn  # noqa: E402
 from laplace_jax.model import init_params, param_shapes  # noqa: E402
 from laplace_jax.optim import build_optimizer, make_schedule  # noqa: E402
 from laplace_jax.neuron import host_init_params, host_key, is_neuron, use_rbg_prng  # noqa: E402
+from laplace_jax.metrics import RunLog  # noqa: E402
 from laplace_jax.platform import select_platform  # noqa: E402
+from laplace_jax.rundir import RunDirBusy, RunDirLock  # noqa: E402
 from laplace_jax.sharding import (batch_sharding, make_mesh, opt_state_shardings, param_shardings,  # noqa: E402
                                   replicated)
 
 # Dense bf16 peak per device, for MFU (FLOP count: 6N + the GLA mixing, per token).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12}
+
+
+# Exit statuses: 0 done; 2 a usage, config, data or run-dir problem (like info, prepare and export); 1 the
+# run failed on its way (non-finite step, a checkpoint that could not be written); 128 + signal number
+# after SIGTERM/SIGINT (checkpoint saved, the run not finished), as shells report a signal's death, so
+# `train && export` never exports a half-trained model.
+EXIT_FAILED = 1
 
 
 class TrainError(RuntimeError):
@@ -85,11 +94,6 @@ def all_finite(*trees) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.bool_(True)
 
 
-def _finite_or_null(rec: dict[str, Any]) -> dict[str, Any]:
-    """A metrics row as strict JSON: a non-finite float (nan, inf) is written as null."""
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
-
-
 # ----------------------------------------------------------------------------- the run
 
 @dataclasses.dataclass
@@ -114,40 +118,6 @@ class RunLayout:
             raise ConfigError(f"train.micro_batch={M} is not divisible by the {n_devices} devices: "
                               f"use a multiple of {n_devices}")
         return cls(S, G, M, G // M, processes)
-
-
-class Metrics:
-    """Per-step metrics to `metrics.jsonl` (process 0) and a tqdm progress bar. Every line is strict JSON:
-    a non-finite value is written as null. The run stops at the first non-finite step; that step's row
-    is still written, with null in place of the non-finite values and the error message under "error"."""
-
-    def __init__(self, run_dir: Path, total: int, start: int, enabled: bool):
-        from tqdm import tqdm
-
-        self.enabled = enabled
-        self.file = open(run_dir / "metrics.jsonl", "a") if enabled else None
-        self.bar = tqdm(total=total, initial=start, disable=not enabled, unit="step", dynamic_ncols=True,
-                        file=sys.stderr, mininterval=1.0)
-
-    def log(self, rec: dict[str, Any], show: bool) -> None:
-        if not self.enabled:
-            return
-        self.file.write(json.dumps(_finite_or_null(rec), allow_nan=False) + "\n")
-        self.file.flush()
-        self.bar.update(1)
-        if show:
-            mfu = f" mfu {rec['mfu']:.1%}" if rec.get("mfu") is not None else ""
-            self.bar.set_postfix_str(f"loss {rec['loss']:.3f} gnorm {rec['grad_norm']:.2f} lr {rec['lr']:.2e} "
-                                     f"{rec['tokens_per_s']:,.0f} tok/s{mfu}", refresh=False)
-
-    def note(self, msg: str) -> None:
-        if self.enabled:
-            self.bar.write(msg, file=sys.stderr)
-
-    def close(self) -> None:
-        if self.enabled:
-            self.bar.close()
-            self.file.close()
 
 
 def _peak_flops(cfg: Config) -> float | None:
@@ -224,107 +194,260 @@ def build_program(cfg: Config, mesh: Mesh, processes: int = 1) -> TrainProgram:
     return TrainProgram(cfg, mesh, layout, shapes, p_sh, o_shapes, o_sh, b_sh, tx, report, step_fn)
 
 
-def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: bool = False) -> dict[str, Any]:
-    """Train (or resume) in `run_dir` until `steps` (default cfg.train.steps). Returns a summary."""
-    raw_cfg = cfg   # as given: what config.yaml records (auto kernels stay auto for another machine)
-    cfg = resolve_execution(cfg, jax.default_backend(), gspmd=cfg.train.grad_sync == "micro")
-    if is_neuron(cfg):  # platform=neuron or neuron_mode=true: unrolled graphs, rbg PRNG, host-CPU init
-        use_rbg_prng()
-    run_dir = Path(run_dir).expanduser().resolve()
-    total = cfg.train.steps if steps is None else steps
-    pid, nproc = jax.process_index(), jax.process_count()
-    is_main = pid == 0 and not quiet
-    data_dir = resolve_data_dir(cfg.data.path, val_fraction=cfg.data.val_fraction)
-    prog = build_program(cfg, make_mesh(cfg.mesh), nproc)
-    mesh, layout, shapes, tx, report = prog.mesh, prog.layout, prog.shapes, prog.tx, prog.report
-    p_sh, o_sh, b_sh = prog.param_sh, prog.opt_sh, prog.batch_sh
-    abs_p, abs_o, abs_b = prog.abstract_args()   # restore targets and the compile's input types
-    per_proc = layout.seqs_per_step // nproc
-    data_iter = make_train_iterator(data_dir, seq_len=layout.seq_len, batch_size=per_proc,
-                                    seed=cfg.data.shuffle_seed, process_index=pid, process_count=nproc,
-                                    num_workers=cfg.data.num_workers, prefetch=cfg.data.prefetch,
-                                    vocab_size=cfg.model.vocab_size)
-    eval_batches = make_eval_batches(data_dir, seq_len=layout.seq_len, batch_size=layout.micro // nproc,
-                                     num_batches=cfg.train.eval_batches, vocab_size=cfg.model.vocab_size,
-                                     process_index=pid, process_count=nproc)
-    rep = replicated(mesh)
-    schedule = make_schedule(cfg.optim)
+@dataclasses.dataclass
+class Run:
+    """A run set up and ready to step: its program, data, checkpoint manager, state and logs."""
 
-    mngr = ckpt.make_manager(run_dir, keep=cfg.train.keep_ckpts, async_save=cfg.train.async_ckpt)
-    start = 0
-    latest = mngr.latest_step()
-    if latest is not None:
-        ckpt.check_compatible(run_dir, latest, cfg)
-        abs_t = {"opt_state": abs_o,
-                 "step": np.zeros((), np.int32),
-                 "rng": np.zeros(jax.eval_shape(jax.random.PRNGKey, 0).shape, np.uint32)}  # (4,) with rbg
-        t_restore = time.perf_counter()
-        params, tstate = ckpt.restore(mngr, run_dir, latest, abs_p, abs_t, data_iter)
-        jax.block_until_ready(params)
-        t_restore = time.perf_counter() - t_restore
-        opt_state, start, rng = tstate["opt_state"], int(tstate["step"]), np.asarray(tstate["rng"])
-    else:
-        if cfg.neuron_mode:  # RNG-heavy init compiled for the host CPU, then placed on the devices
-            key = host_key(cfg.train.seed)
-            params = host_init_params(cfg.model, key, p_sh)
-        else:
-            key = jax.random.PRNGKey(cfg.train.seed)
-            params = jax.jit(init_params, static_argnums=0, out_shardings=p_sh)(cfg.model, key)
-        opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
-        rng = np.asarray(jax.random.fold_in(key, 1))  # host copy: saved by process 0, same everywhere
-    if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(raw_cfg), sort_keys=False))
+    cfg: Config
+    run_dir: Path
+    total: int                       # train until this step
+    prog: TrainProgram
+    data_dir: Path
+    data_iter: Any
+    evaluate: Callable[[Any], float]  # params -> mean held-out loss
+    mngr: Any                        # orbax CheckpointManager
+    lock: RunDirLock
+    unlog: Callable[[], None]        # undoes checkpoint.log_orbax_to
+    log: RunLog
+    params: Any
+    opt_state: Any
+    rng: np.ndarray
+    start: int                       # the restored step (0: a fresh run)
+    resumed: bool
+    t_restore: float = 0.0
 
+    def close(self, failed: bool = False) -> None:
+        """Wait for the last save, then let go of everything (the lock last: the run dir is ours until then).
+        `failed`: an error is on its way out already; a save failing too adds nothing to it."""
+        try:
+            self.mngr.wait_until_finished()
+        except Exception:  # noqa: BLE001
+            if not failed:
+                raise
+        finally:
+            self.mngr.close()
+            self.log.close()
+            _close_iterator(self.data_iter)
+            self.unlog()
+            self.lock.release()
+
+
+def _close_iterator(data_iter) -> None:
+    close = getattr(data_iter, "close", None)   # grain's worker processes, where there are any
+    if close:
+        close()
+
+
+def _lock_run_dir(run_dir: Path) -> RunDirLock:
+    """Process 0 locks the run dir (`laplace_jax.rundir`); every process of a run gets its verdict."""
+    lock, err = RunDirLock(run_dir), None
+    if jax.process_index() == 0:
+        try:
+            lock.acquire()
+        except RunDirBusy as e:
+            err = str(e)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        if int(multihost_utils.broadcast_one_to_all(np.int32(err is not None))) and err is None:
+            err = f"run dir {run_dir} is in use by another trainer: see process 0's error"
+    if err:
+        raise RunDirBusy(err)
+    return lock
+
+
+def _make_evaluator(prog: TrainProgram, eval_batches: list, eval_cfg: Config) -> Callable[[Any], float]:
+    """params -> the mean loss over the fixed held-out batches. `eval_cfg`: resolved for GSPMD code
+    (the eval batch is sharded by XLA, not inside a shard_map)."""
+    mesh, L = prog.mesh, prog.layout
     eval_sh = batch_sharding(mesh, 2)
-    eval_cfg = resolve_execution(raw_cfg, jax.default_backend(), gspmd=True)  # sharded by XLA, no shard_map
-    eval_fn = jax.jit(lambda p, b: loss_fn(p, b, eval_cfg), in_shardings=(p_sh, eval_sh), out_shardings=rep)
+    eval_fn = jax.jit(lambda p, b: loss_fn(p, b, eval_cfg), in_shardings=(prog.param_sh, eval_sh),
+                      out_shardings=replicated(mesh))
 
     def evaluate(params) -> float:
         losses = []
         for b in eval_batches:
-            g = {k: jax.make_array_from_process_local_data(eval_sh, v, (layout.micro, layout.seq_len))
-                 for k, v in b.items()}
+            g = {k: jax.make_array_from_process_local_data(eval_sh, v, (L.micro, L.seq_len)) for k, v in b.items()}
             losses.append(float(eval_fn(params, g)))
         return float(np.mean(losses))
 
-    flop_per_token = 6 * sum(int(np.prod(s.shape)) for s in jax.tree.leaves(shapes)) + 3 * gla_flop_per_token(cfg)
-    peak = _peak_flops(cfg)
-    tokens_per_step = layout.seqs_per_step * layout.seq_len
-    metrics = Metrics(run_dir, total, start, is_main)
-    if is_main:
-        metrics.note(f"laplace_jax.train: {cfg.name} | {jax.device_count()} {jax.devices()[0].platform} device(s), "
-                     f"mesh {dict(mesh.shape)}, {nproc} process(es) | {tokens_per_step:,} tokens/step = "
-                     f"{layout.accum} x {layout.micro} x {layout.seq_len} | data {data_dir}")
-        metrics.note(str(report))
-        if start:
-            metrics.note(f"resumed from step {start} ({run_dir / 'checkpoints' / str(start)}) in {t_restore:.1f} s")
-    t_compile = time.perf_counter()
-    step_fn = prog.step_fn.lower(abs_p, abs_o, abs_b).compile()   # compiled once, before step 1
-    # the new parameters and optimizer state are checked on the device after every step, before any save
-    finite_fn = jax.jit(all_finite, in_shardings=(p_sh, o_sh), out_shardings=rep).lower(abs_p, abs_o).compile()
-    t_compile = time.perf_counter() - t_compile
-    metrics.note(f"compiled the train step in {t_compile:.1f} s")
+    return evaluate
 
-    def save_now() -> None:
-        nonlocal last_good
-        t0 = time.perf_counter()
-        ckpt.save(mngr, step, params, {"opt_state": opt_state, "step": np.asarray(step, np.int32), "rng": rng},
-                  data_iter, cfg)
-        last_good = step
-        metrics.note(f"checkpoint step {step}: saving ({time.perf_counter() - t0:.1f} s in the loop"
-                     + (", written in the background)" if cfg.train.async_ckpt else ")"))
 
-    stop = _Stop()
-    last_good = start if latest is not None else None
-    step = start
-    summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": start, "losses": {}}
+def open_run(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: bool = False) -> Run:
+    """Set up a run: program and data (usage errors surface here, before anything is written), then the
+    run dir's lock, then the state restored from its latest checkpoint or freshly initialised."""
+    raw_cfg = cfg   # as given: what config.yaml records (auto kernels stay auto for another machine)
+    cfg = resolve_execution(cfg, jax.default_backend(), gspmd=cfg.train.grad_sync == "micro")
+    eval_cfg = resolve_execution(raw_cfg, jax.default_backend(), gspmd=True)
+    if is_neuron(cfg):  # platform=neuron or neuron_mode=true: unrolled graphs, rbg PRNG, host-CPU init
+        use_rbg_prng()
+    run_dir = Path(run_dir).expanduser().resolve()
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"--run-dir {run_dir} is a file: give a folder (new or of an earlier run)")
+    pid, nproc = jax.process_index(), jax.process_count()
+    data_dir = resolve_data_dir(cfg.data.path, val_fraction=cfg.data.val_fraction)
+    prog = build_program(cfg, make_mesh(cfg.mesh), nproc)
+    L = prog.layout
+    data_iter = make_train_iterator(data_dir, seq_len=L.seq_len, batch_size=L.seqs_per_step // nproc,
+                                    seed=cfg.data.shuffle_seed, process_index=pid, process_count=nproc,
+                                    num_workers=cfg.data.num_workers, prefetch=cfg.data.prefetch,
+                                    vocab_size=cfg.model.vocab_size)
+    eval_batches = make_eval_batches(data_dir, seq_len=L.seq_len, batch_size=L.micro // nproc,
+                                     num_batches=cfg.train.eval_batches, vocab_size=cfg.model.vocab_size,
+                                     process_index=pid, process_count=nproc)
     try:
-        while step < total and stop.signal is None:
+        lock = _lock_run_dir(run_dir)
+    except RunDirBusy:
+        _close_iterator(data_iter)
+        raise
+    unlog = ckpt.log_orbax_to(run_dir)
+    try:
+        mngr = ckpt.make_manager(run_dir, keep=cfg.train.keep_ckpts, async_save=cfg.train.async_ckpt)
+        latest = mngr.latest_step()
+        t0 = time.perf_counter()
+        if latest is not None:
+            params, opt_state, start, rng = _restore(cfg, prog, mngr, run_dir, latest, data_iter)
+        else:
+            params, opt_state, start, rng = _initialise(cfg, prog)
+        t_restore = time.perf_counter() - t0
+        is_main = pid == 0 and not quiet
+        if is_main:
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(raw_cfg), sort_keys=False))
+        log = RunLog.for_run(run_dir, cfg.train.steps if steps is None else steps, start, is_main)
+    except BaseException:
+        unlog()
+        _close_iterator(data_iter)
+        lock.release()
+        raise
+    return Run(cfg, run_dir, cfg.train.steps if steps is None else steps, prog, data_dir, data_iter,
+               _make_evaluator(prog, eval_batches, eval_cfg), mngr, lock, unlog, log, params, opt_state, rng, start,
+               latest is not None, t_restore)
+
+
+def _restore(cfg: Config, prog: TrainProgram, mngr, run_dir: Path, step: int, data_iter) -> tuple:
+    """(params, opt_state, step, rng) of checkpoint `step`, placed in the program's shardings."""
+    ckpt.check_compatible(run_dir, step, cfg)
+    abs_p, abs_o, _ = prog.abstract_args()
+    abs_t = {"opt_state": abs_o, "step": np.zeros((), np.int32),
+             "rng": np.zeros(jax.eval_shape(jax.random.PRNGKey, 0).shape, np.uint32)}  # (4,) with rbg
+    params, tstate = ckpt.restore(mngr, run_dir, step, abs_p, abs_t, data_iter)
+    jax.block_until_ready(params)
+    return params, tstate["opt_state"], int(tstate["step"]), np.asarray(tstate["rng"])
+
+
+def _initialise(cfg: Config, prog: TrainProgram) -> tuple:
+    """(params, opt_state, 0, rng) of a fresh run, from cfg.train.seed."""
+    if cfg.neuron_mode:  # RNG-heavy init compiled for the host CPU, then placed on the devices
+        key = host_key(cfg.train.seed)
+        params = host_init_params(cfg.model, key, prog.param_sh)
+    else:
+        key = jax.random.PRNGKey(cfg.train.seed)
+        params = jax.jit(init_params, static_argnums=0, out_shardings=prog.param_sh)(cfg.model, key)
+    opt_state = jax.jit(prog.tx.init, out_shardings=prog.opt_sh)(params)
+    return params, opt_state, 0, np.asarray(jax.random.fold_in(key, 1))  # rng: host copy, same everywhere
+
+
+def _step_problem(step: int, loss: float, gnorm: float, finite: bool, where: str) -> str | None:
+    """Why step `step` must not be saved, or None (the eval loss is checked separately, at save steps)."""
+    vals = f"loss={loss}, grad_norm={gnorm}"
+    if not (math.isfinite(loss) and math.isfinite(gnorm)):
+        return (f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} at step {step} "
+                f"({vals}); {where}: lower optim.lr or check the data")
+    if not finite:
+        return (f"non-finite parameters or optimizer state at step {step} (after its update; {vals}); "
+                f"nothing from step {step} was saved; {where}: lower optim.lr")
+    return None
+
+
+class _Saver:
+    """Saves (async) with the checks around it: enough free space before a save starts, and a failed
+    background save surfacing at the next step boundary (`raise_if_failed`), as a one-line `SaveError`."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self.need = ckpt.arrays_bytes(run.prog.shapes, run.prog.opt_shapes)
+        self.last_good = run.start if run.resumed else None   # last step handed to a save
+        self.before_pending = self.last_good                   # ... before the one in flight
+        self.pending: int | None = None                        # a save that may still be in flight
+
+    def where(self) -> str:
+        d = self.run.run_dir / "checkpoints"
+        return (f"last good checkpoint: step {self.last_good} ({d / str(self.last_good)})"
+                if self.last_good is not None else "no checkpoint was saved yet")
+
+    def save(self, step: int) -> None:
+        r = self.run
+        self.raise_if_failed(wait=True)       # orbax waits for the previous save anyway
+        ok = ckpt.space_check(r.run_dir, step, ckpt.save_bytes(r.run_dir, self.need), self.last_good)
+        if jax.process_count() > 1:            # every process stops, or none
+            from jax.experimental import multihost_utils
+            bad = int(multihost_utils.broadcast_one_to_all(np.int32(ok is not None)))
+            ok = ok or (f"checkpoint step {step} was not written: process 0 found too little space" if bad else None)
+        if ok is not None:
+            raise ckpt.SaveError(ok)
+        t0 = time.perf_counter()
+        try:
+            ckpt.save(r.mngr, step, r.params, {"opt_state": r.opt_state, "step": np.asarray(step, np.int32),
+                                               "rng": r.rng}, r.data_iter, r.cfg)
+        except Exception as e:  # noqa: BLE001  (a synchronous failure: orbax raises many types)
+            raise ckpt.save_failed(r.run_dir, step, e, self.need, self.last_good) from None
+        self.pending, self.before_pending, self.last_good = step, self.last_good, step
+        r.log.note(f"checkpoint step {step}: saving ({time.perf_counter() - t0:.1f} s in the loop"
+                   + (", written in the background)" if r.cfg.train.async_ckpt else ")"))
+
+    def raise_if_failed(self, wait: bool = False) -> None:
+        """A background save that failed → `SaveError`; without `wait`, one still running is left alone."""
+        if self.pending is None or (not wait and self.run.mngr.is_saving_in_progress()):
+            return
+        step, self.pending = self.pending, None
+        try:
+            self.run.mngr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            self.last_good = self.before_pending
+            raise ckpt.save_failed(self.run.run_dir, step, e, self.need, self.last_good) from None
+
+
+def _announce_and_compile(run: Run) -> tuple[Callable, Callable]:
+    """Print the run's set-up; compile the step and the on-device finite check once, before step 1."""
+    prog, log = run.prog, run.log
+    L, mesh = prog.layout, prog.mesh
+    log.note(f"laplace_jax.train: {run.cfg.name} | {jax.device_count()} {jax.devices()[0].platform} device(s), "
+             f"mesh {dict(mesh.shape)}, {jax.process_count()} process(es) | {L.seqs_per_step * L.seq_len:,} "
+             f"tokens/step = {L.accum} x {L.micro} x {L.seq_len} | data {run.data_dir}")
+    log.note(str(prog.report))
+    if run.resumed:
+        log.note(f"resumed from step {run.start} ({run.run_dir / 'checkpoints' / str(run.start)}) "
+                 f"in {run.t_restore:.1f} s")
+    t0 = time.perf_counter()
+    abs_p, abs_o, abs_b = prog.abstract_args()
+    step_fn = prog.step_fn.lower(abs_p, abs_o, abs_b).compile()
+    # the new parameters and optimizer state are checked on the device after every step, before any save
+    finite_fn = jax.jit(all_finite, in_shardings=(prog.param_sh, prog.opt_sh),
+                        out_shardings=replicated(mesh)).lower(abs_p, abs_o).compile()
+    log.note(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
+    return step_fn, finite_fn
+
+
+def run_loop(run: Run) -> dict[str, Any]:
+    """Step until `run.total`, a signal (SIGTERM/SIGINT: finish the step, save, stop) or a non-finite
+    step; rows go to `run.log`'s hooks, checkpoints every cfg.train.ckpt_every steps and at the end."""
+    cfg, prog, log = run.cfg, run.prog, run.log
+    L = prog.layout
+    schedule = make_schedule(cfg.optim)
+    flop_per_token = 6 * sum(int(np.prod(s.shape)) for s in jax.tree.leaves(prog.shapes)) + 3 * gla_flop_per_token(cfg)
+    peak = _peak_flops(cfg)
+    tokens_per_step = L.seqs_per_step * L.seq_len
+    step_fn, finite_fn = _announce_and_compile(run)
+    saver, stop = _Saver(run), _Stop()
+    step = run.start
+    summary: dict[str, Any] = {"run_dir": str(run.run_dir), "start_step": run.start, "losses": {}}
+    try:
+        while step < run.total and stop.signal is None:
+            saver.raise_if_failed()            # no step runs on past a save known to have failed
             t0 = time.perf_counter()
-            batch = _global_batch(next(data_iter), layout, b_sh)
-            params, opt_state, m = step_fn(params, opt_state, batch)
-            finite = finite_fn(params, opt_state)
+            batch = _global_batch(next(run.data_iter), L, prog.batch_sh)
+            run.params, run.opt_state, m = step_fn(run.params, run.opt_state, batch)
+            finite = finite_fn(run.params, run.opt_state)
             loss, gnorm = float(m["loss"]), float(m["grad_norm"])
             dt = time.perf_counter() - t0
             step += 1
@@ -335,48 +458,46 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
             # Nothing from a non-finite step is saved: the loss and gradient norm (computed before the
             # update), the updated parameters and optimizer state, and the held-out loss where computed
             # at a save step must all be finite. The error names the step and the last checkpoint saved.
-            where = (f"last good checkpoint: step {last_good} ({run_dir / 'checkpoints' / str(last_good)})"
-                     if last_good is not None else "no checkpoint was saved yet")
-            vals = f"loss={loss}, grad_norm={gnorm}"
-            problem = None
-            if not (math.isfinite(loss) and math.isfinite(gnorm)):
-                problem = (f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} at step {step} "
-                           f"({vals}); {where}: lower optim.lr or check the data")
-            elif not bool(finite):
-                problem = (f"non-finite parameters or optimizer state at step {step} (after its update; {vals}); "
-                           f"nothing from step {step} was saved; {where}: lower optim.lr")
-            save_due = step % cfg.train.ckpt_every == 0 or step == total or stop.signal is not None
-            if problem is None and (step % cfg.train.eval_every == 0 or step == total):
-                rec["eval_loss"] = evaluate(params)
-                metrics.note(f"step {step}: train loss {loss:.4f}, held-out loss {rec['eval_loss']:.4f}")
+            problem = _step_problem(step, loss, gnorm, bool(finite), saver.where())
+            save_due = step % cfg.train.ckpt_every == 0 or step == run.total or stop.signal is not None
+            if problem is None and (step % cfg.train.eval_every == 0 or step == run.total):
+                rec["eval_loss"] = run.evaluate(run.params)
+                log.note(f"step {step}: train loss {loss:.4f}, held-out loss {rec['eval_loss']:.4f}")
                 if save_due and not math.isfinite(rec["eval_loss"]):
-                    problem = (f"non-finite held-out loss at step {step} (after its update; "
-                               f"eval_loss={rec['eval_loss']}, {vals}); the step {step} checkpoint was not saved; "
-                               f"{where}: lower optim.lr")
+                    problem = (f"non-finite held-out loss at step {step} (after its update; eval_loss="
+                               f"{rec['eval_loss']}, loss={loss}, grad_norm={gnorm}); the step {step} checkpoint "
+                               f"was not saved; {saver.where()}: lower optim.lr")
             if problem is not None:
                 rec["error"] = problem
-                metrics.log(rec, show=False)
+                log.log(rec, show=False)
                 raise TrainError(problem)
             summary["losses"][step] = loss
-            metrics.log(rec, show=step % cfg.train.log_every == 0)
+            log.log(rec, show=step % cfg.train.log_every == 0)
             if save_due:
-                save_now()
-        if stop.signal is not None and last_good != step:
-            save_now()
-    finally:
+                saver.save(step)
+        if stop.signal is not None and saver.last_good != step:
+            saver.save(step)
         t0 = time.perf_counter()
-        mngr.wait_until_finished()
-        if last_good is not None and last_good > start:
-            metrics.note(f"checkpoints written (waited {time.perf_counter() - t0:.1f} s at exit)")
-        mngr.close()
+        saver.raise_if_failed(wait=True)
+        if saver.last_good is not None and saver.last_good > run.start:
+            log.note(f"checkpoints written (waited {time.perf_counter() - t0:.1f} s at exit)")
+    finally:
         stop.restore()
-        metrics.close()
-        close = getattr(data_iter, "close", None)
-        if close:
-            close()
     if stop.signal is not None:
-        metrics.note(f"stopped by signal {stop.signal} at step {step}; checkpoint saved")
-    summary.update(final_step=step, params=params, stopped_by_signal=stop.signal)
+        log.note(f"stopped by {signal.Signals(stop.signal).name} at step {step}; checkpoint step {step} saved")
+    summary.update(final_step=step, params=run.params, stopped_by_signal=stop.signal)
+    return summary
+
+
+def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: bool = False) -> dict[str, Any]:
+    """Train (or resume) in `run_dir` until `steps` (default cfg.train.steps). Returns a summary."""
+    run = open_run(cfg, run_dir, steps=steps, quiet=quiet)
+    try:
+        summary = run_loop(run)
+    except BaseException:
+        run.close(failed=True)
+        raise
+    run.close()
     return summary
 
 
@@ -394,31 +515,49 @@ def _init_distributed(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m laplace_jax.train", description=__doc__.split("\n\n")[1])
+    ap = Parser(prog="python -m laplace_jax.train", description=__doc__.split("\n\n")[1])
     ap.add_argument("--config", default=DEFAULT_CONFIG, help="config name in configs/ or a YAML path")
     ap.add_argument("--run-dir", default="runs/tiny", help="checkpoints and metrics; resumes if it has any")
-    ap.add_argument("--steps", type=int, default=None, help="train until this step (default: train.steps)")
+    ap.add_argument("--steps", type=positive_int, default=None, help="train until this step (default: train.steps)")
     ap.add_argument("--platform", default=None, choices=["auto", "cpu", "gpu", "neuron"])
-    ap.add_argument("--local-devices", type=int, default=None, help="emulated CPU devices per process")
+    ap.add_argument("--local-devices", type=positive_int, default=None, help="emulated CPU devices per process")
     ap.add_argument("--coordinator", default=None)
-    ap.add_argument("--num-processes", type=int, default=None)
+    ap.add_argument("--num-processes", type=positive_int, default=None)
     ap.add_argument("--process-id", type=int, default=None)
     ap.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. optim.lr=3e-3")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)   # overrides may come before and after the flags
     try:
         overrides = list(args.overrides) + ([f"platform={args.platform}"] if args.platform else [])
         cfg = load_config(args.config, overrides)
         select_platform(cfg.platform)
         _init_distributed(args)
         summary = train(cfg, args.run_dir, steps=args.steps)
-    except (ConfigError, DataError, ckpt.CheckpointError, TrainError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except (ConfigError, DataError, ckpt.CheckpointError, RunDirBusy) as e:   # what the user gave: fix and rerun
+        return _fail(e, EXIT_USAGE)
+    except (TrainError, ckpt.SaveError) as e:                                   # the run failed on its way
+        return _fail(e, EXIT_FAILED)
     last = summary["losses"].get(summary["final_step"])
+    sig = summary["stopped_by_signal"]
     if jax.process_index() == 0:
-        print(f"done: step {summary['final_step']}" + (f", loss {last:.4f}" if last is not None else "")
-              + f", run dir {summary['run_dir']}", file=sys.stderr)
-    return 0
+        print(("stopped" if sig else "done") + f": step {summary['final_step']}"
+              + (f", loss {last:.4f}" if last is not None else "") + f", run dir {summary['run_dir']}"
+              + (f" ({signal.Signals(sig).name}: checkpoint saved; the same command resumes)" if sig else ""),
+              file=sys.stderr)
+    return 128 + sig if sig else 0
+
+
+def _fail(err: Exception, status: int) -> int:
+    """One `error:` line. A failed orbax restore or save can leave coroutines that were never awaited;
+    Python would print each at exit ("Exception ignored in: <coroutine ...>", hundreds of lines after
+    the error): the process is ending on a reported error, so they are dropped."""
+    print(f"error: {err}", file=sys.stderr, flush=True)
+    sys.unraisablehook = _drop_unawaited_coroutines
+    return status
+
+
+def _drop_unawaited_coroutines(u) -> None:
+    if not (type(u.object).__name__ == "coroutine" or "coroutine" in str(u.err_msg or "")):
+        sys.__unraisablehook__(u)
 
 
 if __name__ == "__main__":

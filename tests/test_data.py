@@ -168,10 +168,13 @@ def test_prepare_text_files_and_idempotent(tmp_path):
     assert {p.name: p.stat().st_mtime_ns for p in out.glob("*")} == stamp
     assert not list(out.glob(".prepare-tmp-*"))
 
-    # changed input → re-prepared, fewer shards: stale files go away
+    # changed input → refused without --force (nothing touched), re-prepared with it: stale files go away
     (tmp_path / "in" / "empty.txt").unlink()
     (tmp_path / "in" / "b.txt").write_text("Changed.")
-    m3 = prep.prepare([tmp_path / "in"], out, val_fraction=0.05, workers=1, progress=False)
+    with pytest.raises(DataError, match=r"other versions of the inputs .*: pass --force to replace it"):
+        prep.prepare([tmp_path / "in"], out, val_fraction=0.05, workers=1, progress=False)
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*")} == stamp
+    m3 = prep.prepare([tmp_path / "in"], out, val_fraction=0.05, workers=1, progress=False, force=True)
     assert m3 != m and m3["documents"] == 41
     assert sorted(p.name for p in out.glob("*.bin")) == ["train_00000.bin", "val_00000.bin"]
 

@@ -107,5 +107,5 @@ def test_non_finite_integer_settings_are_config_errors(override):
 
 def test_non_finite_lr_on_the_command_line(tmp_path):
     rc, err = _finish(_start(tmp_path / "r", "--steps", "1", "optim.lr=inf"))
-    assert rc == 1 and err[-1] == "error: optim.lr=inf: must be a finite number"
+    assert rc == 2 and err[-1] == "error: optim.lr=inf: must be a finite number"   # a config error
     assert not (tmp_path / "r").exists()

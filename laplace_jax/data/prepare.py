@@ -20,13 +20,14 @@ The held-out split is by document and deterministic: with f = val_fraction, docu
 input order, after skipping whitespace-only ones) is held out iff ceil(i f) != ceil((i + 1) f), i.e.
 document 0 and then every ~1/f-th document, ceil(n f) in all.
 
-Re-running with the same inputs (same paths, sizes, mtimes) and settings is a no-op. A run writes
+Re-running with the same inputs (same paths, sizes, mtimes) and settings is a no-op; a folder holding a
+dataset of other inputs or settings is replaced only with ``--force``, and a non-empty folder that is
+not a prepared dataset (a run dir, a source folder) is never written into. A run writes
 into a temporary folder inside DIR and moves the files into place only after it finished; the
 manifest is written last, so an interrupted run never leaves a folder that looks valid.
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import fcntl
 import json
@@ -43,7 +44,8 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from laplace_jax.data.corpus import DataError, demo_corpus_path, expand_inputs, iter_documents, DEMO_CREDIT
+from laplace_jax.cli import EXIT_USAGE, Parser, positive_int
+from laplace_jax.data.corpus import DEMO_CREDIT, DataError, demo_corpus_path, expand_inputs, iter_pieces
 
 MANIFEST = "manifest.json"
 FORMAT = "laplace_jax.tokens/v1"
@@ -52,7 +54,7 @@ SPLITS = ("train", "val")
 DEFAULT_SHARD_TOKENS = 100_000_000
 DEFAULT_VAL_FRACTION = 0.02
 _CHUNK_CHARS = 1 << 20   # characters of text per tokenization task
-_CHUNK_DOCS = 512
+_CHUNK_PIECES = 512
 
 
 # ----------------------------------------------------------------------------- tokenization
@@ -61,36 +63,38 @@ def _init_worker() -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
 
 
-def _encode_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Texts → (uint16 tokens with EOS after each document, int64 per-document lengths incl. EOS)."""
+def _encode_chunk(pieces: list[tuple[str, bool]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pieces of documents (text, ends a document) → (uint16 tokens with EOS after each document's last
+    piece, int64 tokens per piece incl. that EOS, bool per piece: ends a document)."""
     from laplace_jax.data.tokenizer import get_tokenizer
     tok = get_tokenizer()
-    ids = tok.encode_batch(texts)
-    lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
+    ids = tok.encode_batch([t for t, _ in pieces])
+    ends = np.fromiter((e for _, e in pieces), dtype=bool, count=len(pieces))
+    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids)) + ends
     out = np.empty(int(lengths.sum()), dtype=np.uint16)
-    ends = np.cumsum(lengths)
-    starts = ends - lengths
-    for s, e, x in zip(starts, ends, ids):
-        out[s:e - 1] = x
-        out[e - 1] = tok.eos_id
-    return out, lengths
+    stops = np.cumsum(lengths)
+    for s, n, x, e in zip(stops - lengths, lengths, ids, ends):
+        out[s:s + len(x)] = x
+        if e:
+            out[s + n - 1] = tok.eos_id
+    return out, lengths, ends
 
 
-def _chunks(docs: Iterable[str]) -> Iterator[list[str]]:
+def _chunks(pieces: Iterable[tuple[str, bool]]) -> Iterator[list[tuple[str, bool]]]:
     buf, size = [], 0
-    for d in docs:
-        buf.append(d)
-        size += len(d)
-        if size >= _CHUNK_CHARS or len(buf) >= _CHUNK_DOCS:
+    for p in pieces:
+        buf.append(p)
+        size += len(p[0])
+        if size >= _CHUNK_CHARS or len(buf) >= _CHUNK_PIECES:
             yield buf
             buf, size = [], 0
     if buf:
         yield buf
 
 
-def _tokenize(docs: Iterable[str], workers: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def _tokenize(pieces: Iterable[tuple[str, bool]], workers: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Tokenized chunks in input order; `workers` > 1 spreads chunks over spawned processes."""
-    chunks = _chunks(docs)
+    chunks = _chunks(pieces)
     if workers <= 1:
         for c in chunks:
             yield _encode_chunk(c)
@@ -196,14 +200,52 @@ def _log(msg: str, quiet: bool) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
+def _ours(name: str) -> bool:
+    """Files `prepare` itself puts in an output folder (an interrupted run may leave shards, no manifest)."""
+    return (name in (MANIFEST, ".prepare.lock") or name.startswith(".prepare-tmp-")
+            or any(name.startswith(f"{s}_") and name.endswith(".bin") for s in SPLITS))
+
+
+def _check_out_dir(out: Path) -> None:
+    """Refuse an --out that is a file, or a non-empty folder that is not a prepared dataset (a run dir,
+    a source folder): nothing is written into it."""
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {str(out)!r} is a file: give a directory path")
+    if not out.is_dir():
+        return
+    try:
+        foreign = sorted(p.name for p in out.iterdir() if not _ours(p.name))
+    except OSError as e:
+        raise DataError(f"cannot read --out {str(out)!r} ({e.strerror}): choose a readable folder") from None
+    if foreign:
+        raise DataError(f"--out {str(out)!r} is not empty and is not a prepared dataset (it holds "
+                        f"{', '.join(repr(n) for n in foreign[:3])}{', ...' if len(foreign) > 3 else ''}): "
+                        f"give an empty or new folder")
+
+
+def _difference(old: dict, new: dict) -> str:
+    """What differs between two fingerprints, in words (for the refusal message)."""
+    def paths(fp):
+        return [s.get("path") for s in fp.get("sources", [])]
+    if paths(old) != paths(new):
+        return f"inputs ({', '.join(map(str, paths(old)[:2]))}{', ...' if len(paths(old)) > 2 else ''})"
+    if old.get("sources") != new.get("sources"):
+        return "versions of the inputs (sizes or modification times changed)"
+    diff = [k for k in ("val_fraction", "shard_tokens", "tokenizer", "format") if old.get(k) != new.get(k)]
+    return "settings (" + ", ".join(f"{k} {old.get(k)} -> {new.get(k)}" for k in diff) + ")"
+
+
 def prepare(inputs, out_dir: str | os.PathLike[str], *, val_fraction: float = DEFAULT_VAL_FRACTION,
             workers: int = 2, shard_tokens: int = DEFAULT_SHARD_TOKENS, force: bool = False,
-            progress: bool = True) -> dict:
+            progress: bool = True, replace: bool = False) -> dict:
     """Tokenize `inputs` (paths, see module doc) into shards in `out_dir`; returns the manifest.
 
     Idempotent: if `out_dir` already holds a manifest for the same inputs and settings (and its
-    shards are intact), nothing is done and that manifest is returned. Raises `DataError` (one line)
-    on a missing/empty/malformed input; an existing output is never touched by a failed run.
+    shards are intact), nothing is done and that manifest is returned; `force` tokenizes again anyway.
+    A dataset of other inputs or settings is replaced only with `force` (or `replace`: a cache that is
+    ours, like the demo's). Raises `DataError` (one line) on a missing/empty/malformed/non-UTF-8 input
+    or an `out_dir` that is a file or a non-empty folder of something else; an existing output is never
+    touched by a failed run.
     """
     if not 0 <= val_fraction < 1:
         raise DataError(f"--val-fraction {val_fraction}: must be in [0, 1)")
@@ -216,23 +258,34 @@ def prepare(inputs, out_dir: str | os.PathLike[str], *, val_fraction: float = DE
     sources = _source_info(files)
     fp = _fingerprint(sources, val_fraction, shard_tokens)
     out = Path(out_dir).expanduser()
-    if out.exists() and not out.is_dir():
-        raise DataError(f"--out {str(out)!r} is a file: give a directory path")
-    out.mkdir(parents=True, exist_ok=True)
+    _check_out_dir(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        lock = open(out / ".prepare.lock", "a")
+    except OSError as e:
+        raise DataError(f"cannot write to --out {str(out)!r} ({e.strerror}): choose a writable folder") from None
     quiet = not progress
 
-    with open(out / ".prepare.lock", "a") as lock:
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)   # concurrent callers (e.g. 2 local processes) wait here
         old = read_manifest(out)
-        if not force and old is not None and old.get("fingerprint") == fp and _shards_intact(out, old):
+        if old is not None and old.get("fingerprint") == fp and _shards_intact(out, old) and not force:
             _log(f"prepare: {out} is up to date ({old['splits']['train']['tokens']:,} train / "
                  f"{old['splits']['val']['tokens']:,} val tokens); nothing to do", quiet)
             return old
+        if old is not None and old.get("fingerprint") != fp and not (force or replace):
+            raise DataError(f"--out {str(out)!r} already holds a dataset prepared from other "
+                            f"{_difference(old.get('fingerprint') or {}, fp)}: pass --force to replace it, "
+                            f"or give another --out")
         for stale in out.glob(".prepare-tmp-*"):   # left by a killed run (we hold the lock)
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=".prepare-tmp-", dir=out))
         try:
-            manifest = _write_shards(files, tmp, fp, val_fraction, workers, shard_tokens, progress)
+            try:
+                manifest = _write_shards(files, tmp, fp, val_fraction, workers, shard_tokens, progress)
+            except OSError as e:   # e.g. the disk filled up: the previous dataset is still in place
+                raise DataError(f"writing the token shards into {out} failed ({e.strerror}): free space or "
+                                f"choose another --out; nothing in {out} was replaced") from None
             _install(tmp, out, manifest)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -251,24 +304,25 @@ def _write_shards(files, tmp: Path, fp: dict, val_fraction: float, workers: int,
     bar = _progress_bar(progress)
     doc_index, total, max_id = 0, 0, -1
     try:
-        for tokens, lengths in _tokenize(iter_documents(files), max(1, int(workers))):
-            max_id = max(max_id, int(tokens.max()))
-            ends = np.cumsum(lengths)
-            start = 0
-            # consecutive documents of the same split are written in one call
-            split_of = ["val" if _is_val(doc_index + j, frac) else "train" for j in range(len(lengths))]
+        for tokens, lengths, ends in _tokenize(iter_pieces(files), max(1, int(workers))):
+            if tokens.size:
+                max_id = max(max_id, int(tokens.max()))
+            bounds = np.concatenate([[0], np.cumsum(lengths)])
+            # a piece belongs to the document after the ones ended before it (a document may span chunks)
+            doc_of = doc_index + np.concatenate([[0], np.cumsum(ends)[:-1]])
+            split_of = ["val" if _is_val(int(d), frac) else "train" for d in doc_of]
             j = 0
-            while j < len(lengths):
+            while j < len(lengths):   # consecutive pieces of the same split are written in one call
                 k = j
                 while k + 1 < len(lengths) and split_of[k + 1] == split_of[j]:
                     k += 1
-                stop = int(ends[k])
-                writers[split_of[j]].write(tokens[start:stop])
-                writers[split_of[j]].documents += k - j + 1
-                start, j = stop, k + 1
-            doc_index += len(lengths)
+                writers[split_of[j]].write(tokens[bounds[j]:bounds[k + 1]])
+                writers[split_of[j]].documents += int(ends[j:k + 1].sum())
+                j = k + 1
+            done = int(ends.sum())
+            doc_index += done
             total += tokens.size
-            bar.update(len(lengths))
+            bar.update(done)
             bar.set_postfix_str(f"{total:,} tokens", refresh=False)
     finally:
         bar.close()
@@ -363,23 +417,25 @@ def ensure_demo_data(cache_dir: str | os.PathLike[str] | None = None, *,
     Concurrent callers (several local processes) serialize on a lock file; the first one prepares.
     """
     out = Path(cache_dir).expanduser() if cache_dir is not None else demo_cache_dir()
-    prepare([demo_corpus_path()], out, val_fraction=val_fraction, workers=workers, progress=progress)
+    prepare([demo_corpus_path()], out, val_fraction=val_fraction, workers=workers, progress=progress,
+            replace=True)
     return out
 
 
 # ----------------------------------------------------------------------------- CLI
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m laplace_jax.data.prepare", description=__doc__.split("\n")[0])
+    ap = Parser(prog="python -m laplace_jax.data.prepare", description=__doc__.split("\n")[0])
     ap.add_argument("--input", nargs="+", required=True, metavar="PATH",
                     help=".txt/.jsonl/.parquet/.json files or directories, or `demo`")
     ap.add_argument("--out", required=True, metavar="DIR", help="output folder for shards + manifest.json")
     ap.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,
                     help="fraction of documents held out (default %(default)s)")
-    ap.add_argument("--workers", type=int, default=2, help="tokenizer processes (default %(default)s)")
-    ap.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
+    ap.add_argument("--workers", type=positive_int, default=2, help="tokenizer processes (default %(default)s)")
+    ap.add_argument("--shard-tokens", type=positive_int, default=DEFAULT_SHARD_TOKENS,
                     help="tokens per shard file (default %(default)s)")
-    ap.add_argument("--force", action="store_true", help="re-tokenize even if the output is up to date")
+    ap.add_argument("--force", action="store_true",
+                    help="tokenize again even if the output is up to date; replace a dataset of other inputs")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     try:
@@ -387,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 shard_tokens=args.shard_tokens, force=args.force, progress=not args.quiet)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("error: interrupted; the output folder was left as it was", file=sys.stderr)
         return 130

@@ -163,18 +163,24 @@ def _fmt(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m laplace_jax.optim.traffic", description=__doc__.split("\n")[0])
+    from ..cli import EXIT_USAGE, Parser, positive_int
+    from ..config import ConfigError, load_config
+
+    ap = Parser(prog="python -m laplace_jax.optim.traffic", description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="laplace_3b", help="YAML path or name in configs/")
-    ap.add_argument("--ranks", type=int, default=64, help="FSDP ranks (emulated CPU devices)")
+    ap.add_argument("--ranks", type=positive_int, default=64, help="FSDP ranks (emulated CPU devices)")
     ap.add_argument("--comm-dtype", default=None, choices=("bfloat16", "float16", "float32"),
                     help="wire dtype (default: the config's optim.muon_comm_dtype)")
     ap.add_argument("--analytic", action="store_true", help="skip compiling; print the analytic model")
     ap.add_argument("--json", action="store_true", help="print JSON")
     args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config)   # a bad config: one line, before any device is set up
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     if args.analytic:
-        from ..config import load_config
         from .plan import muon_traffic_bytes
-        cfg = load_config(args.config)
         res = muon_traffic_bytes(muon_leaf_shapes(cfg.model), args.ranks,
                                  args.comm_dtype or cfg.optim.muon_comm_dtype, cfg.optim.ns_steps)
         print(json.dumps(res, indent=2) if args.json else
