@@ -44,7 +44,7 @@ import yaml  # noqa: E402
 from laplace_jax import checkpoint as ckpt  # noqa: E402
 from laplace_jax.config import DEFAULT_CONFIG, Config, ConfigError, config_to_dict, load_config  # noqa: E402
 from laplace_jax.data.corpus import DataError  # noqa: E402
-from laplace_jax.data.pipeline import make_eval_batches, make_train_iterator, resolve_data_dir  # noqa: E402
+from laplace_jax.data.pipeline import open_training_data  # noqa: E402
 from laplace_jax.info import gla_flop_per_token  # noqa: E402
 from laplace_jax.grad_accum import accumulate, for_gspmd, loss_fn  # noqa: E402,F401  (loss_fn: the eval loss)
 from laplace_jax.model import init_params, param_shapes  # noqa: E402
@@ -87,6 +87,29 @@ def all_finite(*trees) -> jax.Array:
 def _finite_or_null(rec: dict[str, Any]) -> dict[str, Any]:
     """A metrics row as strict JSON: a non-finite float (nan, inf) is written as null."""
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
+
+
+def heldout_evaluator(cfg: Config, mesh: Mesh, param_sh: Any, batches: list[dict[str, np.ndarray]]
+                      ) -> Callable[[Any], float]:
+    """`evaluate(params)`: the held-out loss the training loop logs as `eval_loss`, the mean over
+    `batches` (this process's rows {inputs, targets} [M/P, S] of each global [M, S] batch) of each
+    batch's mean next-token cross entropy (`loss_fn`; answer positions only for MQAR). Used by
+    `laplace_jax.eval`'s held-out task too, so both report the same number for the same tokens."""
+    eval_sh = batch_sharding(mesh, 2)
+    eval_cfg = for_gspmd(cfg)  # the eval batch is sharded by XLA, not inside a shard_map
+    eval_fn = jax.jit(lambda p, b: loss_fn(p, b, eval_cfg), in_shardings=(param_sh, eval_sh),
+                      out_shardings=replicated(mesh))
+    nproc = jax.process_count()
+
+    def evaluate(params) -> float:
+        losses = []
+        for b in batches:
+            g = {k: jax.make_array_from_process_local_data(eval_sh, v, (v.shape[0] * nproc, v.shape[1]))
+                 for k, v in b.items()}
+            losses.append(float(eval_fn(params, g)))
+        return float(np.mean(losses))
+
+    return evaluate
 
 
 # ----------------------------------------------------------------------------- the run
@@ -232,19 +255,14 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
     total = cfg.train.steps if steps is None else steps
     pid, nproc = jax.process_index(), jax.process_count()
     is_main = pid == 0 and not quiet
-    data_dir = resolve_data_dir(cfg.data.path, val_fraction=cfg.data.val_fraction)
     prog = build_program(cfg, make_mesh(cfg.mesh), nproc)
     mesh, layout, shapes, tx, report = prog.mesh, prog.layout, prog.shapes, prog.tx, prog.report
     p_sh, o_sh, b_sh = prog.param_sh, prog.opt_sh, prog.batch_sh
     abs_p, abs_o, abs_b = prog.abstract_args()   # restore targets and the compile's input types
     per_proc = layout.seqs_per_step // nproc
-    data_iter = make_train_iterator(data_dir, seq_len=layout.seq_len, batch_size=per_proc,
-                                    seed=cfg.data.shuffle_seed, process_index=pid, process_count=nproc,
-                                    num_workers=cfg.data.num_workers, prefetch=cfg.data.prefetch,
-                                    vocab_size=cfg.model.vocab_size)
-    eval_batches = make_eval_batches(data_dir, seq_len=layout.seq_len, batch_size=layout.micro // nproc,
-                                     num_batches=cfg.train.eval_batches, vocab_size=cfg.model.vocab_size,
-                                     process_index=pid, process_count=nproc)
+    data_iter, eval_batches, data_desc = open_training_data(cfg, batch_size=per_proc,
+                                                            eval_batch_size=layout.micro // nproc,
+                                                            process_index=pid, process_count=nproc)
     rep = replicated(mesh)
     schedule = make_schedule(cfg.optim)
 
@@ -274,17 +292,7 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
-    eval_sh = batch_sharding(mesh, 2)
-    eval_cfg = for_gspmd(cfg)  # the eval batch is sharded by XLA, not inside a shard_map
-    eval_fn = jax.jit(lambda p, b: loss_fn(p, b, eval_cfg), in_shardings=(p_sh, eval_sh), out_shardings=rep)
-
-    def evaluate(params) -> float:
-        losses = []
-        for b in eval_batches:
-            g = {k: jax.make_array_from_process_local_data(eval_sh, v, (layout.micro, layout.seq_len))
-                 for k, v in b.items()}
-            losses.append(float(eval_fn(params, g)))
-        return float(np.mean(losses))
+    evaluate = heldout_evaluator(cfg, mesh, p_sh, eval_batches)
 
     flop_per_token = 6 * sum(int(np.prod(s.shape)) for s in jax.tree.leaves(shapes)) + 3 * gla_flop_per_token(cfg)
     peak = _peak_flops(cfg)
@@ -293,7 +301,7 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
     if is_main:
         metrics.note(f"laplace_jax.train: {cfg.name} | {jax.device_count()} {jax.devices()[0].platform} device(s), "
                      f"mesh {dict(mesh.shape)}, {nproc} process(es) | {tokens_per_step:,} tokens/step = "
-                     f"{layout.accum} x {layout.micro} x {layout.seq_len} | data {data_dir}")
+                     f"{layout.accum} x {layout.micro} x {layout.seq_len} | data {data_desc}")
         metrics.note(str(report))
         if start:
             metrics.note(f"resumed from step {start} ({run_dir / 'checkpoints' / str(start)}) in {t_restore:.1f} s")
