@@ -76,12 +76,11 @@ class Scorer:
         sequences fed through `prefill` in pieces of `piece` tokens, the state carried between them
         (the last piece may be shorter). `progress(n)` is called after each piece."""
         tokens = np.asarray(tokens, np.int32)
-        B, T = tokens.shape[0], tokens.shape[1] - 1
-        state = init_state(self.cfg, B)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        state = init_state(self.cfg, tokens.shape[0])
         out = []
-        for a in range(0, T, piece):
-            nll, state = _piece_nll(self.params, tokens[:, a:a + piece], tokens[:, a + 1:a + piece + 1], state,
-                                    cfg=self.cfg)
+        for a in range(0, inputs.shape[1], piece):
+            nll, state = _piece_nll(self.params, inputs[:, a:a + piece], targets[:, a:a + piece], state, cfg=self.cfg)
             out.append(np.asarray(nll))
             if progress:
                 progress(1)
