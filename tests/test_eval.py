@@ -147,7 +147,7 @@ def test_mqar_config_errors_are_one_line():
     cfg = load_config("laplace_mqar")
     assert cfg.data.source == "mqar" and MQARSpec.from_config(cfg).seq_len == cfg.model.seq_len
     for bad, word in ((["data.source=tape"], "data.source"), (["data.mqar_pairs=100"], "mqar_pairs"),
-                      (["data.mqar_keys=200"], "vocab_size"), (["data.mqar_keys=4"], "mqar_keys")):
+                      (["data.mqar_keys=200"], "vocab_size"), (["data.mqar_keys=3"], "mqar_keys")):
         with pytest.raises(ConfigError, match=word) as e:
             load_config("laplace_mqar", bad)
         assert "\n" not in str(e.value)

@@ -99,8 +99,8 @@ def run_tasks(ckpt, tasks: list[str], args) -> dict:
     out = {}
     for task in tasks:
         if task in TEXT_TASKS:
-            _check_text_vocab(ckpt, tok, task)
             data_dir = _text_data(ckpt, args, task)
+            _check_text_vocab(ckpt, tok, task)
         if task == "held-out":
             out[task] = heldout.run(ckpt, data_dir, tok, args.heldout_batches)
         elif task == "length":
