@@ -8,9 +8,10 @@ and V value ids of the model's vocabulary (ids: keys 0..K-1, values K..K+V-1, fi
                             holds one of the keys (each key is queried once, in random order)
 
 The target at a query position is the key's value; every other target is `IGNORE` (-1): the loss
-(`grad_accum.loss_fn`) and the accuracy count answer positions only. Query slots are drawn without
-replacement with P(slot j) proportional to (j+1)^(a-1) (`power_a` = a; Zoology's 0.01 favours short
-gaps, 1 is uniform). A query's distance is its position minus its key's position in the context.
+(`grad_accum.loss_fn`) and the accuracy count answer positions only; every sequence has exactly N
+answers, so the trainer's mean of per-micro-batch means is the mean over all answers. Query slots
+are drawn without replacement with P(slot j) proportional to (j+1)^(a-1) (`power_a` = a; Zoology's
+0.01 favours short gaps, 1 is uniform). A query's distance is its position minus its key's position in the context.
 
 Example i of a split is a pure function of (seed, split, i): `np.random.default_rng([seed, split, i])`,
 so the stream needs no state besides grain's position and resumes exactly like the text source.

@@ -10,6 +10,11 @@ Pipeline (train)::
     -> {"inputs": w[:, :-1], "targets": w[:, 1:]}   int32 [batch_size, seq_len]
     -> to_iter_dataset(threads) [-> mp_prefetch(num_workers)]
 
+Sources. `open_training_data(cfg)` is the trainer's switch on ``data.source``: ``text`` (the token
+windows below) or ``mqar`` (`laplace_jax.data.mqar`: examples that are a pure function of their
+index, not shuffled). Both end in the same repeat / process-shard / batch pipeline, so both resume
+from the same ``{"next_index": n}`` state.
+
 Windows. A split's shards are one concatenated token stream (documents separated by EOS, documents
 may straddle shards), so windows cross shard boundaries. Windows are non-overlapping in their first
 seq_len tokens (stride seq_len); window k's last token is window k+1's first, so every token of the
