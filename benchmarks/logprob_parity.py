@@ -71,7 +71,6 @@ def _child(argv: list[str], log: Path, timeout: float) -> float:
 def jax_scores(checkpoint: str, data: str, num_seqs: int, dtypes: list[str], out: Path) -> None:
     """Writes out (npz): tokens [N, S+1] int32 and, per dtype, logprob_<dtype> [N, S] and the
     largest |logit| seen (the scale of `bound`)."""
-    import dataclasses
 
     import jax
     import jax.numpy as jnp
@@ -90,7 +89,7 @@ def jax_scores(checkpoint: str, data: str, num_seqs: int, dtypes: list[str], out
     params = jax.device_put(params)
     res = {"tokens": tokens, "step": np.int64(step), "load_s": np.float64(t_load)}
     for dt in dtypes:
-        mcfg = dataclasses.replace(cfg.model, compute_dtype=dt)
+        mcfg = cfg.net.with_execution(compute_dtype=dt)
 
         def score(p, x, y, mcfg=mcfg):
             logits = forward(p, x, mcfg)

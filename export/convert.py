@@ -20,7 +20,9 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from export.torch_model import CONFIG_NAME, WEIGHTS_NAME, LaplaceConfig
+from export.torch_model import CONFIG_NAME, WEIGHTS_NAME
+from laplace_jax import spec
+from laplace_jax.spec import EOS_TOKEN_ID, Arch
 
 DTYPES = ("float32", "bfloat16")
 
@@ -29,39 +31,13 @@ class ExportError(ValueError):
     """A bad export request; the message names the problem and the fix."""
 
 
-# View transforms only (no copies): shapes can be checked on zero-stride arrays for free.
-def _t(a: np.ndarray) -> np.ndarray:      # [in, out] -> nn.Linear [out, in]
-    return a.T
-
-
-def _conv(a: np.ndarray) -> np.ndarray:   # [C, D] -> Conv1d depthwise [D, 1, C]
-    return a.T[:, None, :]
-
-
-def _id(a: np.ndarray) -> np.ndarray:
-    return a
-
-
-Transform = Callable[[np.ndarray], np.ndarray]
-# (JAX leaf, torch name, transform); per-layer names carry "{i}" and take params["layers"][name][i].
-GLOBAL_TABLE: list[tuple[str, str, Transform]] = [
-    ("embed", "embed.weight", _id),
-    ("final_norm", "final_norm.weight", _id),
-    ("lm_head", "lm_head.weight", _t),
-]
-LAYER_TABLE: list[tuple[str, str, Transform]] = [
-    ("attn_norm", "layers.{i}.attn_norm.weight", _id),
-    ("conv_w", "layers.{i}.mixer.conv.weight", _conv),
-    ("conv_b", "layers.{i}.mixer.conv.bias", _id),
-    ("w_qkvg", "layers.{i}.mixer.w_qkvg.weight", _t),
-    ("aug_balance", "layers.{i}.mixer.aug_balance", _id),
-    ("head_norm", "layers.{i}.mixer.head_norm", _id),
-    ("w_out", "layers.{i}.mixer.w_out.weight", _t),
-    ("ffn_norm", "layers.{i}.ffn_norm.weight", _id),
-    ("w_12", "layers.{i}.w_12.weight", _t),
-    ("w_3", "layers.{i}.w_3.weight", _t),
-]
-JAX_TO_TORCH = GLOBAL_TABLE + LAYER_TABLE
+# The `spec.Param.to_torch` transforms, views only (no copies): shapes can be checked on
+# zero-stride arrays for free.
+TRANSFORMS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "id": lambda a: a,
+    "t": lambda a: a.T,                   # [in, out] -> nn.Linear [out, in]
+    "conv": lambda a: a.T[:, None, :],    # [C, D] -> Conv1d depthwise [D, 1, C]
+}
 
 
 def _leaf(tree: dict, key: str) -> Any:
@@ -84,17 +60,17 @@ def iter_views(params: dict, num_layers: int, *, release: bool = False) -> Itera
 
     With `release`, each source leaf is popped from `params` once its views are handed out, so the
     caller's copies can be the last references to it (export_checkpoint owns its tree)."""
-    for src, dst, fn in GLOBAL_TABLE:
-        yield dst, fn(np.asarray(_leaf(params, src)))
+    for p in spec.global_params():
+        yield p.torch_name, TRANSFORMS[p.to_torch](np.asarray(_leaf(params, p.name)))
         if release:
-            params.pop(src)
+            params.pop(p.name)
     layers = _leaf(params, "layers")
-    for src, dst, fn in LAYER_TABLE:
-        stacked = _stacked(layers, src, num_layers)
+    for p in spec.layer_params():
+        stacked, fn = _stacked(layers, p.name, num_layers), TRANSFORMS[p.to_torch]
         for i in range(num_layers):
-            yield dst.format(i=i), fn(stacked[i])
+            yield p.torch_name.format(i=i), fn(stacked[i])
         if release:
-            layers.pop(src)
+            layers.pop(p.name)
 
 
 def _zero_stride(tree: Any) -> Any:
@@ -109,7 +85,7 @@ def converted_shapes(params: dict, num_layers: int) -> dict[str, tuple[int, ...]
     return {k: tuple(v.shape) for k, v in iter_views(_zero_stride(params), num_layers)}
 
 
-def expected_shapes(cfg: LaplaceConfig) -> dict[str, tuple[int, ...]]:
+def expected_shapes(cfg: Arch) -> dict[str, tuple[int, ...]]:
     """{torch name: shape} of the torch model for `cfg`, built on the meta device (no memory)."""
     import torch
 
@@ -132,28 +108,24 @@ def _to_torch(view: np.ndarray, tdtype: Any) -> Any:
     return src.contiguous().to(tdtype)
 
 
-def model_max_len(cfg: LaplaceConfig, max_len: Optional[int] = None) -> int:
+def model_max_len(cfg: Arch, max_len: Optional[int] = None) -> int:
     """The length limit written for vLLM/transformers (config and tokenizer): the state is recurrent,
     so there is no hard limit; at least 8,192, the training length, and `max_len`."""
     return max(8192, cfg.seq_len, max_len or 0)
 
 
-def hf_config_dict(cfg: LaplaceConfig, dtype: str, max_len: Optional[int] = None) -> dict:
-    d = cfg.to_json_dict()
+def hf_config_dict(cfg: Arch, dtype: str, max_len: Optional[int] = None) -> dict:
+    """config.json: the architecture (`Arch.to_json`, generic names included) and what loaders need."""
+    d = cfg.to_json()
     d.update({
         "architectures": ["LaplaceForCausalLM"],
         "model_type": "laplace",
-        # generic names that vLLM / transformers read
-        "hidden_size": cfg.d_model,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "head_dim": cfg.d_k,
-        "intermediate_size": cfg.ffn_dim,
         "max_position_embeddings": model_max_len(cfg, max_len),
         "tie_word_embeddings": False,
         "torch_dtype": dtype,
         "dtype": dtype,
-        "state_bytes_per_sequence": cfg.state_bytes_per_sequence,
+        "eos_token_id": EOS_TOKEN_ID,
+        "bos_token_id": EOS_TOKEN_ID,
     })
     return d
 
@@ -172,20 +144,20 @@ def _torch_dtype(dtype: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 
 
-def export_params(params: dict, model_cfg: Any, out_dir, dtype: str = "float32", *,
+def export_params(params: dict, arch: Arch, out_dir, dtype: str = "float32", *,
                   overwrite: bool = False, tokenizer: bool = True, step: Optional[int] = None,
                   release: bool = False) -> Path:
     """Write config.json, model.safetensors, tokenizer files and generation_config.json.
 
-    params: nested dict of numpy arrays per docs/PARAMS.md; model_cfg: a
-    `laplace_jax.config.ModelConfig` (or a `LaplaceConfig`). With `release`, `params` is emptied
-    as it is converted (see `iter_views`): for a caller that hands its tree over."""
+    params: nested dict of numpy arrays in the `spec.PARAMS` tree; arch: its `spec.Arch`. With
+    `release`, `params` is emptied as it is converted (see `iter_views`): for a caller that hands
+    its tree over."""
     from export.torch_model import check_state_dict
 
     tdtype = _torch_dtype(dtype)
     out = Path(out_dir)
     _check_out_dir(out, overwrite)
-    cfg = model_cfg if isinstance(model_cfg, LaplaceConfig) else LaplaceConfig.from_model_config(model_cfg)
+    cfg = arch
     # shapes first, from views alone: a wrong tree fails before anything is copied
     check_state_dict(expected_shapes(cfg), converted_shapes(params, cfg.num_layers), str(out))
     tensors = {name: _to_torch(view, tdtype)
@@ -194,26 +166,31 @@ def export_params(params: dict, model_cfg: Any, out_dir, dtype: str = "float32",
     return out
 
 
-def write_hf_folder(out: Path, cfg: LaplaceConfig, tensors: dict, dtype: str, *, step: Optional[int] = None,
+def write_hf_folder(out: Path, cfg: Arch, tensors: dict, dtype: str, *, step: Optional[int] = None,
                     tokenizer: bool = True, max_len: Optional[int] = None) -> None:
-    """model.safetensors (torch tensors named as torch_model), config.json, generation_config.json
-    and, with `tokenizer`, the tokenizer files into `out` (created)."""
+    """model.safetensors (torch tensors named as torch_model), config.json, generation_config.json,
+    the transformers modelling code (export/remote_code.py) and, with `tokenizer`, the tokenizer
+    files into `out` (created)."""
     from safetensors.torch import save_file
 
+    from export.remote_code import write_remote_code
+
     out.mkdir(parents=True, exist_ok=True)
+    auto_map = write_remote_code(out)   # first: code that cannot be shipped fails before the weights are written
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
     hf = hf_config_dict(cfg, dtype, max_len)
+    hf["auto_map"] = auto_map           # transformers' trust_remote_code entry points
     if step is not None:
         hf["laplace_step"] = int(step)
     (out / CONFIG_NAME).write_text(json.dumps(hf, indent=2) + "\n")
-    gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+    gen = {"bos_token_id": EOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID,
            "do_sample": False, "max_new_tokens": 48}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     if tokenizer:
         save_tokenizer(out, cfg, max_len)
 
 
-def save_tokenizer(out: Path, cfg: LaplaceConfig, max_len: Optional[int] = None) -> None:
+def save_tokenizer(out: Path, cfg: Arch, max_len: Optional[int] = None) -> None:
     try:
         from laplace_jax.data.tokenizer import save_hf_tokenizer
     except ImportError as e:  # pragma: no cover - the data helper provides it
@@ -237,5 +214,4 @@ def export_checkpoint(run_dir, out_dir, step: Optional[int] = None, dtype: str =
         raise ExportError(f"--step {step}: not in {run_dir}; available steps: "
                           f"{', '.join(map(str, sorted(avail)))}")
     params, config, got = ckpt.load_params(run_dir, step=step)
-    model_cfg = getattr(config, "model", config)
-    return export_params(params, model_cfg, out_dir, dtype, overwrite=overwrite, step=got, release=True)
+    return export_params(params, config.model, out_dir, dtype, overwrite=overwrite, step=got, release=True)

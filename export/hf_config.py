@@ -1,34 +1,27 @@
-"""`transformers` config class for model_type "laplace" (registered with AutoConfig by the vLLM plugin)."""
+"""`transformers` config class for model_type "laplace" (registered with AutoConfig by the vLLM plugin).
+
+Its fields are `laplace_jax.spec.Arch`'s config.json form (`Arch.to_json`): the architecture's own
+names, the generic names transformers and vLLM read, and `train_seq_len` for `seq_len`."""
 from transformers import PretrainedConfig
 
-from export.torch_model import LaplaceConfig
-
-_FIELDS = set(LaplaceConfig.__dataclass_fields__) | {"train_seq_len"}
-_GENERIC = ("hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-            "intermediate_size", "max_position_embeddings")
+from laplace_jax.spec import EOS_TOKEN_ID, HF_GENERIC, Arch
 
 
 class LaplaceHFConfig(PretrainedConfig):
     model_type = "laplace"
 
     def __init__(self, **kwargs):
-        own = LaplaceConfig.from_dict({k: kwargs.pop(k) for k in list(kwargs) if k in _FIELDS})
-        for k, v in own.to_json_dict().items():   # seq_len stored as train_seq_len (vLLM reads seq_len)
-            if k not in ("eos_token_id", "bos_token_id"):
-                setattr(self, k, v)
-        kwargs.setdefault("hidden_size", own.d_model)
-        kwargs.setdefault("num_hidden_layers", own.num_layers)
-        kwargs.setdefault("num_attention_heads", own.num_heads)
-        kwargs.setdefault("head_dim", own.d_k)
-        kwargs.setdefault("intermediate_size", own.ffn_dim)
-        kwargs.setdefault("max_position_embeddings", max(8192, own.seq_len))
+        arch = Arch.from_json({k: kwargs[k] for k in list(kwargs)})
+        for k in set(arch.to_json()) | set(HF_GENERIC):
+            kwargs.pop(k, None)
+        for k, v in arch.to_json().items():
+            setattr(self, k, v)
+        kwargs.setdefault("max_position_embeddings", max(8192, arch.seq_len))
         kwargs.setdefault("tie_word_embeddings", False)
-        kwargs.setdefault("eos_token_id", own.eos_token_id)
-        kwargs.setdefault("bos_token_id", own.bos_token_id)
-        for k in _GENERIC:
-            setattr(self, k, kwargs.pop(k))
+        kwargs.setdefault("eos_token_id", EOS_TOKEN_ID)
+        kwargs.setdefault("bos_token_id", EOS_TOKEN_ID)
+        self.max_position_embeddings = kwargs.pop("max_position_embeddings")
         super().__init__(**kwargs)
 
-    def laplace_config(self) -> LaplaceConfig:
-        d = {k: getattr(self, k) for k in _FIELDS if hasattr(self, k)}
-        return LaplaceConfig.from_dict(d)
+    def arch(self) -> Arch:
+        return Arch.from_json(self.to_dict())

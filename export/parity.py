@@ -86,7 +86,6 @@ def main(argv=None):
     a = ap.parse_args(argv)
     n = a.max_new_tokens
 
-    import dataclasses
 
     import jax
     import jax.numpy as jnp
@@ -104,8 +103,7 @@ def main(argv=None):
     export_checkpoint(a.checkpoint, f32, step=a.step, dtype="float32", overwrite=True)
     params, cfg, step = load_params(a.checkpoint, a.step)
     jp = jax.tree.map(jnp.asarray, params)
-    mcfg = dataclasses.replace(cfg.model, compute_dtype="float32")
-    ref = Generator(jp, mcfg, cfg.decode_widths).generate(ids, n)
+    ref = Generator(jp, cfg.net.with_execution(compute_dtype="float32"), cfg.decode_widths).generate(ids, n)
     rows = {"jax f32": ref}
     tm = LaplaceForCausalLM.from_pretrained(f32)
     rows["torch f32"] = [tm.generate(p, n) for p in ids]
@@ -116,7 +114,7 @@ def main(argv=None):
     if not a.no_bf16:
         bf = os.path.join(a.workdir, "bf16")
         export_checkpoint(a.checkpoint, bf, step=a.step, dtype="bfloat16", overwrite=True)
-        rows["jax bf16"] = Generator(jp, dataclasses.replace(cfg.model, compute_dtype="bfloat16"),
+        rows["jax bf16"] = Generator(jp, cfg.net.with_execution(compute_dtype="bfloat16"),
                                      cfg.decode_widths).generate(ids, n)
         tb = LaplaceForCausalLM.from_pretrained(bf, dtype=torch.bfloat16)
         rows["torch bf16"] = [tb.generate(p, n) for p in ids]

@@ -24,12 +24,13 @@ def main(argv=None):
     a = ap.parse_args(argv)
 
     from export.convert import export_params
-    from export.testing import random_params, tiny_model_cfg
+    from export.random_weights import random_params
+    from laplace_jax.config import load_config
     from export.torch_model import LaplaceForCausalLM
 
     work = a.workdir or tempfile.mkdtemp(prefix="laplace_selfcheck_")
     folder = os.path.join(work, "tiny")
-    cfg = tiny_model_cfg()
+    cfg = load_config("laplace_tiny").model
     export_params(random_params(cfg, seed=5), cfg, folder, a.dtype, overwrite=True, tokenizer=False)
     ref_model = LaplaceForCausalLM.from_pretrained(folder)
     p3 = [[50256], list(range(1000, 1077)), [(37 * i + 11) % 50257 for i in range(37)]]

@@ -33,6 +33,7 @@ the project is not installed (a bare checkout on PYTHONPATH), this script writes
 vLLM's engine and worker processes find the plugin too.
 """
 import argparse
+import dataclasses
 import contextlib
 import json
 import math
@@ -141,14 +142,16 @@ def build_random_folder(cfg, folder: Path, dtype: str, device: str, max_len: int
 
     from export.convert import _torch_dtype, save_tokenizer, write_hf_folder
     from export.torch_model import LaplaceForCausalLM
+    from laplace_jax import spec
 
     tdtype = _torch_dtype(dtype)
     with torch.device("meta"):
         shapes = LaplaceForCausalLM(cfg).expected_shapes()
     gen = torch.Generator(device=device).manual_seed(seed)
     tensors = {}
+    ones = {p.torch_name.format(i=i) for p in spec.PARAMS if p.init == "ones" for i in range(cfg.num_layers)}
     for name, shape in sorted(shapes.items()):
-        if name.endswith("norm.weight") or name.endswith("head_norm"):
+        if name in ones:                     # norm scales (spec.Param.init), the rest small normal
             t = torch.ones(shape, device=device, dtype=tdtype)
         else:
             t = (torch.randn(shape, device=device, generator=gen) * 0.02).to(tdtype)
@@ -166,7 +169,7 @@ def build_random_folder(cfg, folder: Path, dtype: str, device: str, max_len: int
 def _model_folder(args, cfg, dtype, device, max_len) -> tuple:
     """(folder, has_tokenizer, seconds, reused).  GPU runs keep the folder in /dev/shm (reused by a
     later run on the same machine); the smoke run uses a temp dir under --out."""
-    stamp = json.dumps({"cfg": cfg.to_dict(), "dtype": dtype, "max_len": max_len, "v": 1}, sort_keys=True)
+    stamp = json.dumps({"cfg": dataclasses.asdict(cfg), "dtype": dtype, "max_len": max_len, "v": 1}, sort_keys=True)
     if args.model_dir:
         folder = Path(args.model_dir)
     elif args.smoke:
@@ -498,12 +501,12 @@ def main(argv=None) -> int:
 
     import torch
 
-    from export.testing import TINY
-    from export.torch_model import LaplaceConfig
+    from laplace_jax.config import load_config
+    from laplace_jax.spec import Arch
 
     cuda = torch.cuda.is_available() and not a.smoke
     device = "cuda" if cuda else "cpu"
-    cfg = LaplaceConfig(**TINY) if a.smoke else LaplaceConfig()
+    cfg = load_config("laplace_tiny").model if a.smoke else Arch()
     max_len = max(a.prompt_len, a.long_prompt_len) + max(a.new_tokens, a.step_new_tokens)
     log(f"config: {'tiny (smoke)' if a.smoke else '3B'}, d_model={cfg.d_model}, layers={cfg.num_layers}, "
         f"device={device}, torch {torch.__version__}")

@@ -1,109 +1,33 @@
 """Plain-PyTorch Laplace decoder: the reference for the serving path (no vLLM import).
 
-Mirrors docs/PARAMS.md name for name.  Torch layouts (the only differences to the JAX tree):
+Its configuration is the architecture itself (`laplace_jax.spec.Arch`, pure Python); its module
+names and layouts are the `torch_name` / `to_torch` columns of `laplace_jax.spec.PARAMS`:
 
-* matrices ``w_*`` and ``lm_head`` are ``nn.Linear`` weights, stored ``[out, in]`` (JAX: ``[in, out]``);
+* matrices and ``lm_head`` are ``nn.Linear`` weights, stored ``[out, in]`` (JAX: ``[in, out]``);
 * ``conv_w`` is the depthwise ``nn.Conv1d`` weight ``[D, 1, C]`` (JAX: ``[C, D]``);
 * the stacked ``[L, ...]`` layer arrays become ``layers.{i}.*``.
-
-`export.convert.JAX_TO_TORCH` is the conversion table.
 
 State per layer (float32): ``conv [B, C, D]`` (the last C layer-normed inputs, oldest first) and
 ``gla [B, H, K, V]``; bytes per sequence ``L * (C*D + H*K*V) * 4``.
 """
-import dataclasses
 import json
-import math
 import os
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from laplace_jax.spec import Arch
+
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
 
-def decay_log(num_heads: int, t_min: float, t_max: float) -> list:
-    """γ_h = ln(2^(-1/half_life_h)), half_life_h = t_min (t_max/t_min)^(h/(H-1)) (PARAMS.md)."""
-    out = []
-    for h in range(num_heads):
-        frac = h / (num_heads - 1) if num_heads > 1 else 0.0
-        out.append(-math.log(2.0) / (t_min * (t_max / t_min) ** frac))
-    return out
-
-
-@dataclass
-class LaplaceConfig:
-    vocab_size: int = 50304
-    d_model: int = 3072
-    num_layers: int = 24
-    num_heads: int = 16
-    d_k: int = 96
-    d_v: int = 192
-    qkvg_dim: int = 9216
-    conv_kernel: int = 4
-    ffn_dim: int = 8192
-    decay_tiers: int = 4
-    t_min: float = 1.0
-    t_max: float = 2048.0
-    seq_len: int = 2048
-    num_chunks: int = 16
-    norm_eps: float = 1e-5
-    gla_gamma: list = field(default_factory=list)   # ln λ_h per head; computed when empty
-    eos_token_id: int = 50256
-    bos_token_id: int = 50256
-
-    def __post_init__(self):
-        if not self.gla_gamma:
-            self.gla_gamma = decay_log(self.num_heads, self.t_min, self.t_max)
-        self.gla_gamma = [float(g) for g in self.gla_gamma]
-        problems = []
-        if len(self.gla_gamma) != self.num_heads:
-            problems.append(f"gla_gamma has {len(self.gla_gamma)} entries, num_heads={self.num_heads}")
-        if self.num_heads * self.d_v != self.d_model:
-            problems.append(f"num_heads*d_v={self.num_heads * self.d_v} != d_model={self.d_model}")
-        if self.qkvg_dim != self.num_heads * (2 * self.d_k + 2 * self.d_v):
-            problems.append(f"qkvg_dim={self.qkvg_dim} != H(2d_k+2d_v)="
-                            f"{self.num_heads * (2 * self.d_k + 2 * self.d_v)}")
-        if self.num_heads % self.decay_tiers:
-            problems.append(f"num_heads={self.num_heads} not divisible by decay_tiers={self.decay_tiers}")
-        if problems:
-            raise ValueError("invalid Laplace config: " + "; ".join(problems))
-
-    @property
-    def chunk_size(self) -> int:
-        return self.seq_len // self.num_chunks
-
-    @property
-    def state_bytes_per_sequence(self) -> int:
-        return self.num_layers * (self.conv_kernel * self.d_model
-                                  + self.num_heads * self.d_k * self.d_v) * 4
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "LaplaceConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        d = dict(d)
-        if "train_seq_len" in d:   # config.json name (vLLM would read "seq_len" as a length limit)
-            d["seq_len"] = d.pop("train_seq_len")
-        return cls(**{k: v for k, v in d.items() if k in names})
-
-    @classmethod
-    def from_model_config(cls, m) -> "LaplaceConfig":
-        """From a `laplace_jax.config.ModelConfig` (or anything with the same attributes)."""
-        names = {f.name for f in dataclasses.fields(cls)} - {"gla_gamma", "eos_token_id", "bos_token_id"}
-        return cls(**{k: getattr(m, k) for k in names if hasattr(m, k)})
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def to_json_dict(self) -> dict:
-        """config.json form: `seq_len` is written as `train_seq_len`."""
-        d = self.to_dict()
-        d["train_seq_len"] = d.pop("seq_len")
-        return d
+def read_config(path: str) -> Arch:
+    """The architecture from an exported folder's config.json (`spec.Arch.from_json`)."""
+    with open(path) as f:
+        return Arch.from_json(json.load(f))
 
 
 # ----------------------------------------------------------------------------- functional pieces
@@ -120,7 +44,6 @@ def conv_with_state(x: torch.Tensor, window: torch.Tensor, w: torch.Tensor, b: t
     """Causal depthwise conv over x [B, S, D] continuing from window [B, C, D] (last C inputs).
 
     w: [D, 1, C] (Conv1d layout); returns (u [B, S, D], new window [B, C, D])."""
-    C = w.shape[-1]
     S = x.shape[1]
     full = torch.cat([window.to(x.dtype), x], dim=1)               # [B, C + S, D]
     seq = full[:, 1:]                                               # last C-1 of window + x
@@ -206,7 +129,7 @@ def mixer_post(q, k, v, gt, o, aug_balance, head_norm, eps):
 class LaplaceMixerWeights(nn.Module):
     """Parameters of one token mixer (conv .. w_out), names as in PARAMS.md."""
 
-    def __init__(self, cfg: LaplaceConfig):
+    def __init__(self, cfg: Arch):
         super().__init__()
         D, C, H, K, V = cfg.d_model, cfg.conv_kernel, cfg.num_heads, cfg.d_k, cfg.d_v
         self.conv = nn.Conv1d(D, D, C, groups=D, bias=True)   # conv.weight [D,1,C], conv.bias [D]
@@ -214,7 +137,7 @@ class LaplaceMixerWeights(nn.Module):
         self.aug_balance = nn.Parameter(torch.zeros(H, K))
         self.head_norm = nn.Parameter(torch.ones(cfg.decay_tiers, V))
         self.w_out = nn.Linear(D, D, bias=False)
-        self.register_buffer("gamma", torch.tensor(cfg.gla_gamma, dtype=torch.float32), persistent=False)
+        self.register_buffer("gamma", torch.tensor(cfg.decay_log(), dtype=torch.float32), persistent=False)
         self.H, self.K, self.V, self.eps = H, K, V, cfg.norm_eps
 
     def split(self, u):
@@ -261,7 +184,7 @@ class _Norm(nn.Module):
 
 
 class LaplaceBlock(nn.Module):
-    def __init__(self, cfg: LaplaceConfig):
+    def __init__(self, cfg: Arch):
         super().__init__()
         self.attn_norm = _Norm(cfg.d_model)
         self.mixer = LaplaceMixerWeights(cfg)
@@ -279,7 +202,7 @@ class LaplaceBlock(nn.Module):
 class LaplaceForCausalLM(nn.Module):
     """Full-sequence forward (chunked GLA) and recurrent decode with a fixed-size state."""
 
-    def __init__(self, cfg: LaplaceConfig):
+    def __init__(self, cfg: Arch):
         super().__init__()
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -356,8 +279,7 @@ class LaplaceForCausalLM(nn.Module):
         for p in (cfg_path, w_path):
             if not os.path.isfile(p):
                 raise FileNotFoundError(f"{p}: missing; export a checkpoint with `python -m export`")
-        with open(cfg_path) as f:
-            cfg = LaplaceConfig.from_dict(json.load(f))
+        cfg = read_config(cfg_path)
         with torch.device("meta"):
             model = cls(cfg)
         tensors = load_file(w_path)

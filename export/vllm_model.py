@@ -30,8 +30,8 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
 from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from export.torch_model import (LaplaceConfig, LaplaceMixerWeights, _Norm, check_state_dict,
-                                layer_norm)
+from export.torch_model import LaplaceMixerWeights, _Norm, check_state_dict, layer_norm
+from laplace_jax.spec import Arch
 
 try:  # CUDA decode kernel (export/gla_triton.py); None where triton is missing (CPU installs)
     from export import gla_triton as _gla_triton
@@ -46,15 +46,14 @@ except ImportError:  # pragma: no cover
     support_torch_compile = None
 
 
-def _laplace_config(hf_config) -> LaplaceConfig:
-    if hasattr(hf_config, "laplace_config"):
-        return hf_config.laplace_config()
-    return LaplaceConfig.from_dict({k: getattr(hf_config, k) for k in LaplaceConfig.__dataclass_fields__
-                                    if hasattr(hf_config, k)})
+def _laplace_config(hf_config) -> Arch:
+    return hf_config.arch() if hasattr(hf_config, "arch") else Arch.from_json(hf_config.to_dict())
 
 
-def state_shapes(cfg: LaplaceConfig):
-    return ((cfg.conv_kernel, cfg.d_model), (cfg.num_heads, cfg.d_k, cfg.d_v))
+def state_shapes(cfg: Arch):
+    """vLLM's per-sequence state pages, one layer: (conv window, GLA matrix) = `Arch.state_layout`."""
+    layout = cfg.state_layout()
+    return (layout["conv"], layout["gla"])
 
 
 STATE_DTYPES = (torch.float32, torch.float32)
@@ -63,7 +62,7 @@ STATE_DTYPES = (torch.float32, torch.float32)
 class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
     """Token mixer (conv → qkvg → GLA → aug → head norm → gate → w_out) with state in vLLM's pool."""
 
-    def __init__(self, cfg: LaplaceConfig, prefix: str):
+    def __init__(self, cfg: Arch, prefix: str):
         LaplaceMixerWeights.__init__(self, cfg)
         self.cfg = cfg
         self.prefix = prefix
@@ -248,7 +247,7 @@ direct_register_custom_op(op_name="laplace_mixer", op_func=_laplace_mixer,
 
 
 class LaplaceVllmBlock(nn.Module):
-    def __init__(self, cfg: LaplaceConfig, prefix: str):
+    def __init__(self, cfg: Arch, prefix: str):
         super().__init__()
         self.attn_norm = _Norm(cfg.d_model)
         self.mixer = LaplaceVllmMixer(cfg, prefix=f"{prefix}.mixer")

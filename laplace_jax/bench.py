@@ -25,7 +25,6 @@ import sys
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
 
 import argparse  # noqa: E402
-import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import glob  # noqa: E402
 import json  # noqa: E402
@@ -350,20 +349,24 @@ def _profile_rows(t: Table, section: str, label: str, call, sync, out_dir: Path 
 
 
 def parse_variants(spec: str) -> list[tuple[int, list[str]]]:
-    """'8,16,4:remat=none:train.grad_sync=micro' → [(8, []), (16, []), (4, ['model.remat=none',
-    'train.grad_sync=micro'])]: keys without a section are model keys."""
+    """'8,16,4:remat=none:train.grad_sync=micro' → [(8, []), (16, []), (4, ['execution.remat=none',
+    'train.grad_sync=micro'])]: keys without a section are execution keys."""
     out = []
     for item in (x.strip() for x in spec.split(",")):
         if not item:
             continue
         b, *kv = item.split(":")
-        out.append((int(b), [x if "." in x.split("=")[0] else f"model.{x}" for x in kv]))
+        out.append((int(b), [x if "." in x.split("=")[0] else f"execution.{x}" for x in kv]))
     return out
 
 
 def _variant_cfg(cfg, overrides: list[str]):
-    from laplace_jax.config import config_to_dict, from_dict
-    return from_dict(config_to_dict(cfg), overrides) if overrides else cfg
+    """The config with a variant's overrides, resolved as the trainer resolves it."""
+    import jax
+
+    from laplace_jax.config import config_to_dict, from_dict, resolve_execution
+    cfg = from_dict(config_to_dict(cfg), overrides) if overrides else cfg
+    return resolve_execution(cfg, jax.default_backend(), gspmd=cfg.train.grad_sync == "micro")
 
 
 def _variant_tag(B: int, overrides: list[str]) -> str:
@@ -392,6 +395,7 @@ def bench_train(t: Table, cfg, variants: list[tuple[int, list[str]]], iters: int
 
     mcfg = cfg.model
     S = mcfg.seq_len
+    cfg = _variant_cfg(cfg, [])
     t0 = time.perf_counter()
     mesh = make_mesh(MeshConfig(data=1, fsdp=n_devices), jax.devices()[:n_devices])
     prog = build_program(cfg, mesh)    # the trainer's own shardings and optimizer (Muon over the mesh)
@@ -537,10 +541,10 @@ def bench_decode(t: Table, cfg, params, widths: list[int], iters: int, reps: int
 
     from laplace_jax.model import decode_step, init_params, init_state, prefill, state_bytes_per_sequence
 
-    mcfg = dataclasses.replace(cfg.model, remat="none")
+    mcfg = _variant_cfg(cfg, []).net.with_execution(remat="none")   # resolved as generate resolves it
     if params is None:
-        params = init_params(mcfg, jax.random.PRNGKey(0))
-    cdt = jnp.dtype(mcfg.compute_dtype)
+        params = init_params(mcfg.arch, jax.random.PRNGKey(0))
+    cdt = jnp.dtype(mcfg.ex.compute_dtype)
     p16 = jax.jit(lambda p: jax.tree.map(lambda a: a.astype(cdt), p))(params)
     del params
     gc.collect()
@@ -560,9 +564,9 @@ def bench_decode(t: Table, cfg, params, widths: list[int], iters: int, reps: int
             return box["tok"]
         return call
 
-    t.add("decode", "state bytes per sequence (fp32)", float(state_bytes_per_sequence(mcfg)), "B", "")
+    t.add("decode", "state bytes per sequence (fp32)", float(state_bytes_per_sequence(mcfg.arch)), "B", "")
     steps = {"": make_step(mcfg), " [state as scan xs/ys, before]": make_step(mcfg, in_place=False),
-             " [scan_layers=false]": make_step(dataclasses.replace(mcfg, scan_layers=False))}
+             " [scan_layers=false]": make_step(mcfg.with_execution(scan_layers=False))}
     wide = max(widths)
     runs = [(w, "") for w in widths] + [(wide, " [state as scan xs/ys, before]")]
     runs += [(w, " [scan_layers=false]") for w in widths] if unscanned else []
@@ -570,13 +574,13 @@ def bench_decode(t: Table, cfg, params, widths: list[int], iters: int, reps: int
         fn = steps[kind]
         label = f"decode_step width {w}{kind}"
         try:
-            call = fed_back(fn, jnp.zeros((w,), jnp.int32), init_state(mcfg, w))
+            call = fed_back(fn, jnp.zeros((w,), jnp.int32), init_state(mcfg.arch, w))
             tc = time.perf_counter()
             jax.block_until_ready(call())
             ct = time.perf_counter() - tc
             med, ts = _median_time(call, jax.block_until_ready, iters, reps, warmup=2)
             results.setdefault("decode", {})[label] = med
-            state_gb = w * state_bytes_per_sequence(mcfg) / 1e9
+            state_gb = w * state_bytes_per_sequence(mcfg.arch) / 1e9
             t.add("decode", label, med * 1e3, "ms/step",
                   f"{w / med:,.0f} out tok/s; state {state_gb:.1f} GB read+written per step "
                   f"({2 * state_gb / med / 1e3:.2f} TB/s with the state alone); first call {ct:.1f} s; {_spread(ts)}")
@@ -592,7 +596,7 @@ def bench_decode(t: Table, cfg, params, widths: list[int], iters: int, reps: int
     for L in long_prompts:   # decode cost per output token after prompts of different lengths
         w = min(widths)
         try:
-            toks = jnp.asarray(np.random.default_rng(L).integers(0, mcfg.vocab_size, (w, L), np.int32))
+            toks = jnp.asarray(np.random.default_rng(L).integers(0, mcfg.arch.vocab_size, (w, L), np.int32))
             call = fed_back(steps[""], toks[:, -1], pf_state(p16, toks))
             med, ts = _median_time(call, jax.block_until_ready, iters, reps, warmup=2)
             results.setdefault("decode", {})[f"after_prompt_{L}"] = med
@@ -606,9 +610,9 @@ def bench_decode(t: Table, cfg, params, widths: list[int], iters: int, reps: int
             t.add("decode", f"decode_step after a {L}-token prompt", None, "ms/step",
                   f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
     try:
-        S = mcfg.seq_len
+        S = mcfg.arch.seq_len
         pf = jax.jit(lambda p, x: prefill(p, x, mcfg)[1]["gla"][:, :, 0, 0, 0])   # keep the state, drop logits
-        toks = jnp.asarray(np.random.default_rng(1).integers(0, mcfg.vocab_size, (prefill_batch, S), np.int32))
+        toks = jnp.asarray(np.random.default_rng(1).integers(0, mcfg.arch.vocab_size, (prefill_batch, S), np.int32))
         med, ts = _median_time(lambda: pf(p16, toks), jax.block_until_ready, max(2, iters // 4), reps, warmup=1)
         results.setdefault("decode", {})["prefill"] = med
         t.add("decode", f"prefill [{prefill_batch}, {S}] (state out)", med * 1e3, "ms",
@@ -635,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-fla", action="store_true", help="skip the fla (torch/Triton) comparison")
     ap.add_argument("--fla-timeout", type=float, default=300.0, help="seconds the fla child may take (Triton autotuning)")
     ap.add_argument("--decode-unscanned", action="store_true",
-                    help="also time decode with model.scan_layers=false (a Python loop over the layers)")
+                    help="also time decode with execution.scan_layers=false (a Python loop over the layers)")
     ap.add_argument("--profile", action="store_true", help="trace one train micro-step, kernel-time summary")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--skip-extra-after", type=float, default=float("inf"),
@@ -654,8 +658,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from laplace_jax.config import load_config
     if args.smoke:
-        cfg = load_config("laplace_tiny", ["model.vocab_size=512", "model.seq_len=64", "model.remat=dots_no_batch",
-                                           "model.compute_dtype=bfloat16", "train.batch_tokens=256"])
+        cfg = load_config("laplace_tiny", ["model.vocab_size=512", "model.seq_len=64", "execution.remat=dots_no_batch",
+                                           "execution.compute_dtype=bfloat16", "train.batch_tokens=256"])
         gla_shape, widths = GLA_SMOKE, [1, 4]
         micro_batches = parse_variants(args.micro_batches if args.micro_batches != "8,16" else "2,2:dense_output=float32")
         iters, reps = 2, args.reps or 3

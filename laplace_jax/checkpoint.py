@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from laplace_jax.config import Config, ConfigError, config_to_dict, from_dict
+from laplace_jax.config import Config, ConfigError, config_to_dict, from_saved
 
 FORMAT = "laplace_jax/1"
 
@@ -81,11 +81,11 @@ def read_meta(run_dir: str | Path, step: int) -> dict[str, Any]:
 
 
 def check_compatible(run_dir: str | Path, step: int, cfg: Config) -> None:
-    """Refuse to resume a run whose checkpoint has a different model architecture."""
+    """Refuse to resume a run whose checkpoint has a different architecture (`model`, `spec.Arch`);
+    execution choices (dtype, kernels, remat) may change between runs."""
     saved = read_meta(run_dir, step)["config"]["model"]
     current = config_to_dict(cfg)["model"]
-    arch = [k for k in current if k not in ("compute_dtype", "remat", "scan_layers", "gla_unroll")]
-    diff = [k for k in arch if saved.get(k) != current[k]]
+    diff = [k for k in current if saved.get(k) != current[k]]
     if diff:
         k = diff[0]
         raise CheckpointError(f"run dir {run_dir} holds a checkpoint with model.{k}={saved.get(k)!r}, but the "
@@ -125,7 +125,7 @@ def load_params(run_dir: str | Path, step: int | None = None) -> tuple[dict[str,
         raise CheckpointError(f"step {step} is not in {run_dir}; available steps: {', '.join(map(str, steps))}")
     meta = read_meta(run_dir, step)
     try:
-        cfg = from_dict(meta["config"])
+        cfg = from_saved(meta["config"])
     except ConfigError as e:
         raise CheckpointError(f"checkpoint step {step} in {run_dir} has an invalid config ({e})") from None
     path = checkpoint_dir(run_dir) / str(step) / "params"   # the `params` item only: no optimizer state

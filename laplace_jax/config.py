@@ -16,53 +16,39 @@ from typing import Any
 
 import yaml
 
+from laplace_jax.spec import Arch, ConfigError
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "laplace_tiny"
 
 
-class ConfigError(ValueError):
-    """A bad configuration value; the message is one line naming the key and the fix."""
+@dataclass(frozen=True)
+class Execution:
+    """How the architecture runs: dtypes, kernels and memory. Never part of a checkpoint's identity
+    (resume compares `model` only); resolved once per entry point by `resolve_execution`."""
+
+    compute_dtype: str = "bfloat16"  # activations/matmul inputs; parameters stay float32
+    dense_output: str = "compute"    # hidden projections' output dtype: compute (f32 accumulate,
+                                     # written in compute_dtype, as bf16 autocast) | float32; logits stay f32
+    scan_layers: bool = True         # scan over the [L, ...] stacked layer weights (false: a Python loop)
+    remat: str = "none"              # none | full | dots | dots_no_batch | dots_gla | dots_acts (model.py)
+    gla_hand_off: str = "scan"       # chunk-to-chunk state: scan (lax.scan) | matmul (one contraction)
+    gla_unroll: bool = False         # unroll the GLA chunk loop completely (Neuron mode sets it)
+    gla_impl: str = "auto"           # chunked GLA: auto | xla | pallas (GPU kernels, ops/gla_pallas.py). auto:
+                                     # pallas on GPUs inside per-device code (grad_sync=step), xla elsewhere:
+                                     # the kernels have no GSPMD partitioning rule
+    mix_impl: str = "auto"           # gated mix after the GLA: auto | xla | pallas (ops/mix_pallas.py); auto as gla_impl
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """Architecture of one Laplace decoder (defaults: the 3B model of the article)."""
+class Net:
+    """What the model functions run: the architecture and how to execute it."""
 
-    vocab_size: int = 50304          # GPT-2 BPE (50,257) padded to a multiple of 64
-    d_model: int = 3072              # D
-    num_layers: int = 24             # L
-    num_heads: int = 16              # H
-    d_k: int = 96                    # query/key width per head
-    d_v: int = 192                   # value/gate width per head (H * d_v == D)
-    qkvg_dim: int = 9216             # fused projection width, must equal H * (2 d_k + 2 d_v)
-    conv_kernel: int = 4             # depthwise causal conv width
-    ffn_dim: int = 8192              # GLU inner width (W_12 is [D, 2 * ffn_dim])
-    decay_tiers: int = 4             # head RMSNorm groups (contiguous heads share one weight)
-    t_min: float = 1.0               # shortest head half-life, tokens
-    t_max: float = 2048.0            # longest head half-life, tokens
-    seq_len: int = 2048              # training sequence length
-    num_chunks: int = 16             # static GLA chunks per sequence (chunk = seq_len / num_chunks)
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
-    compute_dtype: str = "bfloat16"  # activations/matmul inputs; parameters stay float32
-    scan_layers: bool = True         # scan over the [L, ...] stacked layer weights
-    remat: str = "none"              # none | full | dots | dots_no_batch | dots_gla | dots_acts (model.py)
-    gla_unroll: bool = False         # unroll the GLA chunk loop completely (Neuron)
-    gla_hand_off: str = "scan"       # chunk-to-chunk state: scan (lax.scan) | matmul (one contraction)
-    gla_impl: str = "auto"           # chunked GLA: auto | xla | pallas (GPU kernels, ops/gla_pallas.py). auto:
-                                     # pallas on GPUs inside per-device code (grad_sync=step), xla elsewhere:
-                                     # the kernels have no GSPMD partitioning rule (grad_accum.for_gspmd)
-    mix_impl: str = "auto"           # gated mix after the GLA: auto | xla | pallas (ops/mix_pallas.py); auto as gla_impl
-    dense_output: str = "compute"    # hidden projections' output dtype: compute (f32 accumulate,
-                                     # written in compute_dtype, as bf16 autocast) | float32; logits stay f32
+    arch: Arch
+    ex: Execution = field(default_factory=Execution)
 
-    @property
-    def chunk_size(self) -> int:
-        return self.seq_len // self.num_chunks
-
-    @property
-    def heads_per_tier(self) -> int:
-        return self.num_heads // self.decay_tiers
+    def with_execution(self, **changes: Any) -> "Net":
+        return Net(self.arch, dataclasses.replace(self.ex, **changes))
 
 
 @dataclass(frozen=True)
@@ -126,7 +112,8 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: Arch = field(default_factory=Arch)
+    execution: Execution = field(default_factory=Execution)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -136,10 +123,15 @@ class Config:
     decode_widths: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # fixed decode batch widths (compiled once each)
     name: str = "laplace"
 
+    @property
+    def net(self) -> Net:
+        return Net(self.model, self.execution)
 
-PALLAS_IMPL_KEYS = ("gla_impl", "mix_impl")   # model keys choosing between XLA and Pallas GPU kernels
+
+PALLAS_IMPL_KEYS = ("gla_impl", "mix_impl")   # execution keys choosing between XLA and Pallas GPU kernels
 _REMAT = ("none", "full", "dots", "dots_no_batch", "dots_gla", "dots_acts")
 _DTYPES = ("float32", "bfloat16", "float16")
+EXECUTION_KEYS = tuple(f.name for f in dataclasses.fields(Execution))
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -148,7 +140,8 @@ def _check(cond: bool, msg: str) -> None:
 
 
 def validate(cfg: Config) -> Config:
-    """Raise `ConfigError` (one line, naming key and fix) for an inconsistent config."""
+    """Raise `ConfigError` (one line, naming key and fix) for an inconsistent config.
+    The architecture (`model`) validates itself on construction (`spec.Arch`)."""
     sections = [("", cfg)] + [(f"{f.name}.", getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
                               if dataclasses.is_dataclass(getattr(cfg, f.name))]
     for prefix, section in sections:
@@ -156,33 +149,16 @@ def validate(cfg: Config) -> Config:
             v = getattr(section, f.name)
             if isinstance(v, float):
                 _check(math.isfinite(v), f"{prefix}{f.name}={v}: must be a finite number")
-    m = cfg.model
-    for f in dataclasses.fields(m):
-        v = getattr(m, f.name)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            _check(v > 0, f"model.{f.name}={v}: must be positive")
-    _check(m.num_heads % m.decay_tiers == 0,
-           f"model.num_heads={m.num_heads} is not divisible by model.decay_tiers={m.decay_tiers}: "
-           f"choose decay_tiers among {[d for d in range(1, m.num_heads + 1) if m.num_heads % d == 0]}")
-    _check(m.seq_len % m.num_chunks == 0,
-           f"model.seq_len={m.seq_len} is not divisible by model.num_chunks={m.num_chunks}: "
-           f"use a seq_len multiple of {m.num_chunks}")
-    _check(m.num_heads * m.d_v == m.d_model,
-           f"model.num_heads*model.d_v = {m.num_heads}*{m.d_v} = {m.num_heads * m.d_v} != "
-           f"model.d_model={m.d_model}: set d_v={m.d_model // m.num_heads} or d_model={m.num_heads * m.d_v}")
-    want = m.num_heads * (2 * m.d_k + 2 * m.d_v)
-    _check(m.qkvg_dim == want,
-           f"model.qkvg_dim={m.qkvg_dim} != H(2d_k+2d_v) = {m.num_heads}*(2*{m.d_k}+2*{m.d_v}) = {want}: "
-           f"set model.qkvg_dim={want}")
-    _check(m.t_max >= m.t_min, f"model.t_max={m.t_max} < model.t_min={m.t_min}: t_max must be >= t_min")
-    _check(m.remat in _REMAT, f"model.remat={m.remat!r}: choose one of {_REMAT}")
-    _check(m.gla_hand_off in ("scan", "matmul"), f"model.gla_hand_off={m.gla_hand_off!r}: choose 'scan' or 'matmul'")
+    m, e = cfg.model, cfg.execution
+    _check(e.remat in _REMAT, f"execution.remat={e.remat!r}: choose one of {_REMAT}")
+    _check(e.gla_hand_off in ("scan", "matmul"),
+           f"execution.gla_hand_off={e.gla_hand_off!r}: choose 'scan' or 'matmul'")
     for key in PALLAS_IMPL_KEYS:
-        _check(getattr(m, key) in ("auto", "xla", "pallas"),
-               f"model.{key}={getattr(m, key)!r}: choose 'auto', 'xla' or 'pallas'")
-    _check(m.dense_output in ("compute", "float32"),
-           f"model.dense_output={m.dense_output!r}: choose 'compute' or 'float32'")
-    _check(m.compute_dtype in _DTYPES, f"model.compute_dtype={m.compute_dtype!r}: choose one of {_DTYPES}")
+        _check(getattr(e, key) in ("auto", "xla", "pallas"),
+               f"execution.{key}={getattr(e, key)!r}: choose 'auto', 'xla' or 'pallas'")
+    _check(e.dense_output in ("compute", "float32"),
+           f"execution.dense_output={e.dense_output!r}: choose 'compute' or 'float32'")
+    _check(e.compute_dtype in _DTYPES, f"execution.compute_dtype={e.compute_dtype!r}: choose one of {_DTYPES}")
     o = cfg.optim
     _check(o.lr > 0, f"optim.lr={o.lr}: must be positive")
     _check(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
@@ -198,9 +174,9 @@ def validate(cfg: Config) -> Config:
     t = cfg.train
     _check(t.grad_sync in ("step", "micro"), f"train.grad_sync={t.grad_sync!r}: choose 'step' or 'micro'")
     for key in PALLAS_IMPL_KEYS:
-        _check(not (getattr(m, key) == "pallas" and t.grad_sync == "micro"),
-               f"model.{key}=pallas with train.grad_sync=micro: Pallas kernels have no GSPMD partitioning "
-               f"rule; set train.grad_sync=step or model.{key}=auto")
+        _check(not (getattr(e, key) == "pallas" and t.grad_sync == "micro"),
+               f"execution.{key}=pallas with train.grad_sync=micro: Pallas kernels have no GSPMD partitioning "
+               f"rule; set train.grad_sync=step or execution.{key}=auto")
     for name in ("batch_tokens", "micro_batch", "steps", "log_every", "eval_every", "eval_batches",
                  "ckpt_every", "keep_ckpts"):
         _check(getattr(t, name) > 0, f"train.{name}={getattr(t, name)}: must be positive")
@@ -236,6 +212,13 @@ def validate(cfg: Config) -> Config:
 
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
+
+
+def _unknown(full: str, key: str, options: list[str]) -> ConfigError:
+    if full.startswith("model.") and key in EXECUTION_KEYS:   # configs written before the split
+        return ConfigError(f"'{full}' is an execution choice now: write execution.{key} "
+                           f"(YAML: an `execution:` section) instead")
+    return ConfigError(f"unknown config key '{full}': {_suggest(key, options)}")
 
 
 def _suggest(key: str, options: list[str]) -> str:
@@ -284,7 +267,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     for key, value in data.items():
         if key not in names:
-            raise ConfigError(f"unknown config key '{prefix}{key}': {_suggest(key, names)}")
+            raise _unknown(f"{prefix}{key}", key, names)
         typ = hints[key]
         if dataclasses.is_dataclass(typ):
             kwargs[key] = _build(typ, value or {}, f"{prefix}{key}.")
@@ -304,8 +287,7 @@ def _set_dotted(tree: dict[str, Any], dotted: str, raw: str, cls: type) -> None:
         names = [f.name for f in dataclasses.fields(node_cls)]
         path = ".".join(parts[:i])
         if part not in names:
-            full = f"{path}.{part}" if path else part
-            raise ConfigError(f"unknown config key '{full}': {_suggest(part, names)}")
+            raise _unknown(f"{path}.{part}" if path else part, part, names)
         typ = _hints(node_cls)[part]
         if i == len(parts) - 1:
             if dataclasses.is_dataclass(typ):
@@ -359,12 +341,36 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
     return d
 
 
-def gla_decay_log(m: ModelConfig) -> "list[float]":
-    """γ_h = ln λ_h with λ_h = 2^(-1/half_life_h), half_life_h = T_min (T_max/T_min)^(h/(H-1))."""
-    H = m.num_heads
-    out = []
-    for h in range(H):
-        frac = h / (H - 1) if H > 1 else 0.0
-        half_life = m.t_min * (m.t_max / m.t_min) ** frac
-        out.append(-math.log(2.0) / half_life)
-    return out
+def from_saved(data: dict[str, Any]) -> Config:
+    """A config saved in a run dir or checkpoint. Those written before execution choices had their
+    own section hold them under `model`: they move to `execution` (the saved values still apply)."""
+    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    model = data.get("model") or {}
+    moved = {k: model.pop(k) for k in list(model) if k in EXECUTION_KEYS}
+    if moved:
+        data["execution"] = {**moved, **(data.get("execution") or {})}
+    return from_dict(data)
+
+
+def resolve_execution(cfg: Config, backend: str, *, gspmd: bool = False) -> Config:
+    """The execution choices that will run, decided once per entry point.
+
+    backend: jax's default backend ("gpu", "cpu", "neuron", ...); gspmd: the code is partitioned by
+    XLA itself (plain SPMD: `train.grad_sync=micro`, the eval loss), where the Pallas kernels have no
+    partitioning rule. `auto` kernels become `pallas` on GPUs in per-device code and `xla` elsewhere;
+    an explicit `pallas` is kept where it can run (a GPU) and is an error elsewhere, never a silent
+    fallback. Neuron mode unrolls the GLA chunk loop."""
+    e = cfg.execution
+    neuron = cfg.neuron_mode or cfg.platform == "neuron"
+    runs = backend == "gpu" and not neuron          # where a Pallas (Triton) kernel can run at all
+    kernels = {}
+    for key in PALLAS_IMPL_KEYS:
+        want = getattr(e, key)
+        if want == "pallas" and not runs:
+            where = "neuron mode" if neuron else f"the {backend} backend"
+            raise ConfigError(f"execution.{key}=pallas cannot run in {where}: the Pallas kernels need a GPU; "
+                              f"set execution.{key}=auto or xla")
+        # auto: in GSPMD code XLA would gather the whole batch onto every device for a kernel
+        kernels[key] = "pallas" if want == "pallas" or (want == "auto" and runs and not gspmd) else "xla"
+    e = dataclasses.replace(e, **kernels, gla_unroll=e.gla_unroll or neuron)
+    return dataclasses.replace(cfg, execution=e, neuron_mode=cfg.neuron_mode or neuron)

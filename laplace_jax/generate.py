@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax.config import Config, ModelConfig
+from laplace_jax.config import Net
 from laplace_jax.model import decode_step, init_state, prefill
 
 Params = dict[str, Any]
@@ -55,10 +55,10 @@ def _sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
 class Generator:
     """Batched generation with a fixed set of compiled shapes (see the module doc)."""
 
-    def __init__(self, params: Params, cfg: ModelConfig, widths: Sequence[int], sampling: Sampling = Sampling()):
-        self.params, self.cfg, self.widths, self.sampling = params, cfg, tuple(widths), sampling
-        self.piece = cfg.chunk_size
-        self._prefill_jit = jax.jit(functools.partial(prefill, cfg=cfg))
+    def __init__(self, params: Params, net: Net, widths: Sequence[int], sampling: Sampling = Sampling()):
+        self.params, self.net, self.widths, self.sampling = params, net, tuple(widths), sampling
+        self.piece = net.arch.chunk_size
+        self._prefill_jit = jax.jit(functools.partial(prefill, net=net))
         self._decode_jit = jax.jit(self._decode_and_sample)
         # Every token/state/key argument committed to the parameters' device: a committed and an
         # uncommitted argument of one shape compile twice (≈11 s per compile on Neuron).
@@ -68,7 +68,7 @@ class Generator:
         self._decode = lambda p, *args: self._decode_jit(p, *put(args))
 
     def _decode_and_sample(self, params, token, state, key):
-        logits, state = decode_step(params, token, state, self.cfg)
+        logits, state = decode_step(params, token, state, self.net)
         return logits, _sample(logits, key, self.sampling), state
 
     def compiled_shapes(self) -> dict[str, int]:
@@ -77,7 +77,7 @@ class Generator:
 
     def _prefill_one(self, ids: Sequence[int]) -> tuple[jax.Array, Params]:
         """One prompt → (last-position logits [V], state of width 1)."""
-        state = init_state(self.cfg, 1)
+        state = init_state(self.net.arch, 1)
         full = len(ids) // self.piece * self.piece
         logits = None
         for a in range(0, full, self.piece):
@@ -94,9 +94,9 @@ class Generator:
         """Token ids of each prompt's continuation (up to max_new_tokens, cut after stop_token)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        bad = [t for p in prompts for t in p if not 0 <= t < self.cfg.vocab_size]
+        bad = [t for p in prompts for t in p if not 0 <= t < self.net.arch.vocab_size]
         if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.net.arch.vocab_size})")
         W = pick_width(len(prompts), self.widths)
         firsts, states = [], []
         for p in prompts:
@@ -142,22 +142,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--platform", default=None, choices=["auto", "cpu", "gpu", "neuron"],
                     help="default: JAX's own choice")
     args = ap.parse_args(argv)
-    from laplace_jax.config import ConfigError
-    from laplace_jax.neuron import is_neuron, neuron_mode
+    from laplace_jax.config import ConfigError, resolve_execution
     from laplace_jax.platform import select_platform
     try:
         select_platform(args.platform or "auto")  # before any array exists
         params, cfg, step = load_params(args.checkpoint, args.step)
         if args.platform:
             cfg = dataclasses.replace(cfg, platform=args.platform)
-        if is_neuron(cfg):
-            cfg = neuron_mode(cfg)
+        cfg = dataclasses.replace(cfg, execution=dataclasses.replace(cfg.execution, compute_dtype=args.dtype))
+        cfg = resolve_execution(cfg, jax.default_backend())
     except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    mcfg = dataclasses.replace(cfg.model, compute_dtype=args.dtype)
     tok = get_tokenizer()
-    gen = Generator(jax.tree.map(jnp.asarray, params), mcfg, cfg.decode_widths,
+    gen = Generator(jax.tree.map(jnp.asarray, params), cfg.net, cfg.decode_widths,
                     Sampling(args.temperature, args.top_k, args.seed))
     prompts = [tok.encode(p) for p in args.prompt]
     try:

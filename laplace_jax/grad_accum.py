@@ -14,13 +14,12 @@ Two ways to synchronise across an FSDP mesh (`train.grad_sync`):
   the weights in the compute dtype and one float32 gradient buffer per device (6 GB + 12 GB for 3B).
 
 Both give the same numbers up to the order of float32 additions (per micro-step vs per step).
-Under plain SPMD (``"micro"`` and the eval loss) `model.gla_impl="auto"` and `model.mix_impl="auto"`
-mean the XLA GLA and gated mix: the Pallas kernels have no partitioning rule, so XLA would gather the
-whole batch onto every device for them.
+Under plain SPMD (``"micro"`` and the eval loss) `execution.gla_impl="auto"` and `execution.mix_impl="auto"`
+resolve to the XLA GLA and gated mix (`config.resolve_execution(..., gspmd=True)`): the Pallas
+kernels have no partitioning rule, so XLA would gather the whole batch onto every device for them.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -28,28 +27,19 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from laplace_jax.config import PALLAS_IMPL_KEYS, Config
+from laplace_jax.config import Config
 from laplace_jax.model import forward
 from laplace_jax.optim.muon import shard_map_compat
-from laplace_jax.optim.optimizer import is_muon_path, key_name
+from laplace_jax.optim.optimizer import param_row
 from laplace_jax.sharding import BATCH_AXES, DATA, FSDP, param_shardings
 
 F32 = jnp.float32
 
 
-def for_gspmd(cfg: Config) -> Config:
-    """cfg for code that XLA partitions itself (GSPMD): gla_impl and mix_impl "auto" → "xla" (see the
-    module doc)."""
-    auto = {key: "xla" for key in PALLAS_IMPL_KEYS if getattr(cfg.model, key) == "auto"}
-    if not auto:
-        return cfg
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **auto))
-
-
 def loss_fn(params: Any, batch: dict[str, jax.Array], cfg: Config) -> jax.Array:
     """Mean next-token cross entropy (float32) over the scored targets. batch: inputs/targets int32
     [B, S]; a negative target is not scored (MQAR's non-answer positions, data/mqar.py)."""
-    logits = forward(params, batch["inputs"], cfg.model)
+    logits = forward(params, batch["inputs"], cfg.net)
     targets = batch["targets"]
     scored = targets >= 0
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(targets, 0))
@@ -74,7 +64,7 @@ def _sum_micro(params: Any, batch: dict[str, jax.Array], cfg: Config) -> tuple[j
 
 
 def _gathered_in_compute_dtype(path: tuple[Any, ...]) -> bool:
-    return is_muon_path(path) or key_name(path[-1]) == "lm_head"
+    return param_row(path).compute_cast
 
 
 def _fsdp_axis(spec: P) -> int | None:
@@ -89,11 +79,11 @@ def accumulate(params: Any, batch: dict[str, jax.Array], cfg: Config, mesh: Mesh
     `laplace_jax.sharding.param_shardings` and the batch with M split over (data, fsdp)."""
     A = batch["inputs"].shape[0]
     if mesh is None or cfg.train.grad_sync == "micro":
-        loss, grads = _sum_micro(params, batch, cfg if mesh is None else for_gspmd(cfg))
+        loss, grads = _sum_micro(params, batch, cfg)
         return loss / A, jax.tree.map(lambda g: g / A, grads)
 
     specs = jax.tree.map(lambda s: s.spec, param_shardings(params, mesh))
-    cdt = jnp.dtype(cfg.model.compute_dtype)
+    cdt = jnp.dtype(cfg.execution.compute_dtype)
     n_dev = mesh.size
     has_data = DATA in mesh.axis_names and mesh.shape[DATA] > 1
 

@@ -3,14 +3,14 @@
 `platform: neuron` (or `--platform neuron`) imports jax-neuronx and turns neuron mode on;
 `neuron_mode: true` forces the same graphs on any platform (CPU) so they can be checked here:
 
-- the GLA chunk loop fully unrolled (`model.gla_unroll`): every chunk step is in the graph;
-- the layer stack unrolled when the config says so (`model.scan_layers: false`);
+- the GLA chunk loop fully unrolled (`execution.gla_unroll`, set by `config.resolve_execution`);
+- the layer stack unrolled when the config says so (`execution.scan_layers: false`);
 - gradient accumulation unrolled (the train step's micro-batch loop is a Python loop);
 - the `rbg` PRNG (jax-neuronx: threefry is incomplete), parameters initialised on the host CPU;
 - no `lax.cond`, no host callbacks, only static shapes; decode widths from `decode_widths`.
 
 What remains as while loops (static trip counts, which jax-neuronx accepts): the layer scan when
-`model.scan_layers: true`, and Muon's Newton-Schulz `lax.map` over each weight kind's stacked
+`execution.scan_layers: true`, and Muon's Newton-Schulz `lax.map` over each weight kind's stacked
 matrices (tests/test_neuron.py pins both down).
 
 `hlo_report(text)` counts what the Neuron compiler refuses (conditionals, host callbacks,
@@ -18,7 +18,6 @@ dynamic shapes) and the while loops, in lowered StableHLO or compiled HLO text.
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 from typing import Any
 
@@ -26,11 +25,6 @@ import jax
 import numpy as np
 
 from laplace_jax.config import Config
-
-
-def neuron_mode(cfg: Config) -> Config:
-    """`cfg` with neuron mode on: unrolled GLA chunk loop (the layer stack follows model.scan_layers)."""
-    return dataclasses.replace(cfg, neuron_mode=True, model=dataclasses.replace(cfg.model, gla_unroll=True))
 
 
 def is_neuron(cfg: Config) -> bool:

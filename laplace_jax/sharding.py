@@ -1,10 +1,9 @@
 """Device mesh and FSDP sharding rules.
 
 Mesh axes: ("data", "fsdp"). Parameters are sharded over "fsdp" and replicated over "data"; the
-batch is split over both. Rules by parameter name (docs/PARAMS.md):
+batch is split over both. Which axis of a weight is split is its `spec.Param.fsdp_axis`:
 
-- stacked hidden matrices `layers/w_*` [L, m, n]: rows (axis 1) over fsdp — the layout Muon's
-  all_to_all expects;
+- stacked hidden matrices [L, m, n]: rows (axis 1) over fsdp — the layout Muon's all_to_all expects;
 - `embed` [N, D]: vocabulary rows over fsdp; `lm_head` [D, N]: vocabulary columns over fsdp;
 - norms, conv, aug_balance (a few KB per layer): replicated.
 A dimension that does not divide the fsdp size stays replicated (tiny configs on odd meshes).
@@ -17,8 +16,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from laplace_jax import spec
 from laplace_jax.config import MeshConfig
-from laplace_jax.optim.optimizer import is_muon_path, key_name
+from laplace_jax.optim.optimizer import key_name
 
 DATA, FSDP = "data", "fsdp"
 BATCH_AXES = (DATA, FSDP)
@@ -45,20 +45,15 @@ def _fsdp_size(mesh: Mesh) -> int:
 
 
 def param_spec(path: tuple[Any, ...], shape: tuple[int, ...], fsdp: int) -> P:
-    """The PartitionSpec of one parameter, from its name and shape."""
-    name = key_name(path[-1])
-    axis = None
-    if is_muon_path(path) and len(shape) == 3:
-        axis = 1
-    elif name == "embed":
-        axis = 0
-    elif name == "lm_head":
-        axis = 1
-    if axis is None or shape[axis] % fsdp:
+    """The PartitionSpec of one parameter (or optimizer-state leaf named after one), from the table.
+    Leaves the table does not name (step counters) and shapes of another rank replicate."""
+    row = spec.lookup(key_name(path[-1]))
+    axis = None if row is None else row.stored_fsdp_axis
+    if axis is None or len(shape) != len(row.dims.split()) + int(row.per_layer) or shape[axis] % fsdp:
         return P()
-    spec: list[Any] = [None] * len(shape)
-    spec[axis] = FSDP
-    return P(*spec)
+    parts: list[Any] = [None] * len(shape)
+    parts[axis] = FSDP
+    return P(*parts)
 
 
 def param_shardings(params: Any, mesh: Mesh) -> Any:

@@ -42,14 +42,15 @@ import optax  # noqa: E402
 import yaml  # noqa: E402
 
 from laplace_jax import checkpoint as ckpt  # noqa: E402
-from laplace_jax.config import DEFAULT_CONFIG, Config, ConfigError, config_to_dict, load_config  # noqa: E402
+from laplace_jax.config import (DEFAULT_CONFIG, Config, ConfigError, config_to_dict, load_config,  # noqa: E402
+                                resolve_execution)
 from laplace_jax.data.corpus import DataError  # noqa: E402
 from laplace_jax.data.pipeline import open_training_data  # noqa: E402
 from laplace_jax.info import gla_flop_per_token  # noqa: E402
-from laplace_jax.grad_accum import accumulate, for_gspmd, loss_fn  # noqa: E402,F401  (loss_fn: the eval loss)
+from laplace_jax.grad_accum import accumulate, loss_fn  # noqa: E402
 from laplace_jax.model import init_params, param_shapes  # noqa: E402
 from laplace_jax.optim import build_optimizer, make_schedule  # noqa: E402
-from laplace_jax.neuron import host_init_params, host_key, is_neuron, neuron_mode, use_rbg_prng  # noqa: E402
+from laplace_jax.neuron import host_init_params, host_key, is_neuron, use_rbg_prng  # noqa: E402
 from laplace_jax.platform import select_platform  # noqa: E402
 from laplace_jax.sharding import (batch_sharding, make_mesh, opt_state_shardings, param_shardings,  # noqa: E402
                                   replicated)
@@ -96,7 +97,7 @@ def heldout_evaluator(cfg: Config, mesh: Mesh, param_sh: Any, batches: list[dict
     batch's mean next-token cross entropy (`loss_fn`; answer positions only for MQAR). Used by
     `laplace_jax.eval`'s held-out task too, so both report the same number for the same tokens."""
     eval_sh = batch_sharding(mesh, 2)
-    eval_cfg = for_gspmd(cfg)  # the eval batch is sharded by XLA, not inside a shard_map
+    eval_cfg = resolve_execution(cfg, jax.default_backend(), gspmd=True)  # sharded by XLA, no shard_map
     eval_fn = jax.jit(lambda p, b: loss_fn(p, b, eval_cfg), in_shardings=(param_sh, eval_sh),
                       out_shardings=replicated(mesh))
     nproc = jax.process_count()
@@ -233,7 +234,7 @@ class TrainProgram:
 
 
 def build_program(cfg: Config, mesh: Mesh, processes: int = 1) -> TrainProgram:
-    """The train step of `cfg` on `mesh` (cfg already resolved for the platform, e.g. `neuron_mode`)."""
+    """The train step of `cfg` on `mesh` (`cfg` resolved by `config.resolve_execution`)."""
     layout = RunLayout.from_config(cfg, mesh.size, processes)
     shapes = param_shapes(cfg.model)
     p_sh = param_shardings(shapes, mesh)
@@ -248,8 +249,9 @@ def build_program(cfg: Config, mesh: Mesh, processes: int = 1) -> TrainProgram:
 
 def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: bool = False) -> dict[str, Any]:
     """Train (or resume) in `run_dir` until `steps` (default cfg.train.steps). Returns a summary."""
+    raw_cfg = cfg   # as given: what config.yaml records (auto kernels stay auto for another machine)
+    cfg = resolve_execution(cfg, jax.default_backend(), gspmd=cfg.train.grad_sync == "micro")
     if is_neuron(cfg):  # platform=neuron or neuron_mode=true: unrolled graphs, rbg PRNG, host-CPU init
-        cfg = neuron_mode(cfg)
         use_rbg_prng()
     run_dir = Path(run_dir).expanduser().resolve()
     total = cfg.train.steps if steps is None else steps
@@ -290,9 +292,9 @@ def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: 
         rng = np.asarray(jax.random.fold_in(key, 1))  # host copy: saved by process 0, same everywhere
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(raw_cfg), sort_keys=False))
 
-    evaluate = heldout_evaluator(cfg, mesh, p_sh, eval_batches)
+    evaluate = heldout_evaluator(raw_cfg, mesh, p_sh, eval_batches)
 
     flop_per_token = 6 * sum(int(np.prod(s.shape)) for s in jax.tree.leaves(shapes)) + 3 * gla_flop_per_token(cfg)
     peak = _peak_flops(cfg)

@@ -1,4 +1,5 @@
 """Test-wide setup: 8 emulated CPU devices (set before jax is imported anywhere)."""
+import dataclasses
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -34,6 +35,27 @@ def trained_tiny(tmp_path_factory) -> Path:
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stderr[-3000:]
     return run
+
+
+def write_run(run_dir, params, model_cfg, steps):
+    """A run dir in laplace_jax.checkpoint's layout holding `params` (a docs/PARAMS.md tree) at each
+    step: params + meta only, what export and generate read (no training needed)."""
+    import json
+
+    import orbax.checkpoint as ocp
+    from laplace_jax.checkpoint import FORMAT, checkpoint_dir
+    from laplace_jax.config import config_to_dict, load_config
+    full = dataclasses.replace(load_config("laplace_tiny"), model=model_cfg)   # the tiny run's other settings
+    for step in steps:
+        d = checkpoint_dir(run_dir) / str(step)
+        ckptr = ocp.StandardCheckpointer()
+        ckptr.save(d / "params", params)
+        ckptr.wait_until_finished()
+        (d / "meta").mkdir(parents=True)
+        (d / "meta" / "metadata").write_text(json.dumps(
+            {"format": FORMAT, "step": step, "config": config_to_dict(full)}))
+        (d / "train").mkdir()          # export must never read the optimizer state: junk here
+        (d / "train" / "_METADATA").write_text("not a checkpoint")
 
 
 # ----------------------------------------------------------------------------- float32 tolerances

@@ -1,7 +1,7 @@
 """Config loading: the YAMLs, dotted overrides, and one-line errors that name the fix."""
 import pytest
 
-from laplace_jax.config import ConfigError, load_config
+from laplace_jax.config import ConfigError, config_to_dict, from_saved, load_config, resolve_execution
 
 
 def test_three_configs_load():
@@ -19,9 +19,9 @@ def test_three_configs_load():
 def test_dotted_overrides_reach_every_section():
     c = load_config("laplace_tiny", ["model.d_model=256", "model.d_v=64", "model.qkvg_dim=640",
                                      "optim.lr=1e-3", "train.steps=7", "mesh.fsdp=2", "data.path=/x",
-                                     "platform=cpu", "decode_widths=[1,3]", "model.scan_layers=false"])
+                                     "platform=cpu", "decode_widths=[1,3]", "execution.scan_layers=false"])
     assert (c.model.d_model, c.optim.lr, c.train.steps, c.mesh.fsdp, c.data.path) == (256, 1e-3, 7, 2, "/x")
-    assert c.platform == "cpu" and c.decode_widths == (1, 3) and c.model.scan_layers is False
+    assert c.platform == "cpu" and c.decode_widths == (1, 3) and c.execution.scan_layers is False
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -34,12 +34,13 @@ def test_dotted_overrides_reach_every_section():
     (["model.d_v=16"], "!= model.d_model=128: set d_v=32"),
     (["model.qkvg_dim=9216"], "set model.qkvg_dim=384"),
     (["optim.lr=abc"], "optim.lr='abc': expected a number"),
-    (["model.remat=some"], "model.remat='some': choose one of"),
-    (["model.dense_output=bf16"], "model.dense_output='bf16': choose 'compute' or 'float32'"),
-    (["model.gla_impl=triton"], "model.gla_impl='triton': choose 'auto', 'xla' or 'pallas'"),
-    (["model.gla_impl=pallas", "train.grad_sync=micro"], "set train.grad_sync=step or model.gla_impl=auto"),
-    (["model.mix_impl=fused"], "model.mix_impl='fused': choose 'auto', 'xla' or 'pallas'"),
-    (["model.mix_impl=pallas", "train.grad_sync=micro"], "set train.grad_sync=step or model.mix_impl=auto"),
+    (["execution.remat=some"], "execution.remat='some': choose one of"),
+    (["execution.dense_output=bf16"], "execution.dense_output='bf16': choose 'compute' or 'float32'"),
+    (["execution.gla_impl=triton"], "execution.gla_impl='triton': choose 'auto', 'xla' or 'pallas'"),
+    (["execution.gla_impl=pallas", "train.grad_sync=micro"], "set train.grad_sync=step or execution.gla_impl=auto"),
+    (["execution.mix_impl=fused"], "execution.mix_impl='fused': choose 'auto', 'xla' or 'pallas'"),
+    (["execution.mix_impl=pallas", "train.grad_sync=micro"], "set train.grad_sync=step or execution.mix_impl=auto"),
+    (["model.remat=full"], "'model.remat' is an execution choice now: write execution.remat"),
     (["steps"], "expected key=value"),
 ])
 def test_errors_are_one_line_and_name_the_fix(overrides, message):
@@ -58,3 +59,44 @@ def test_unknown_yaml_key(tmp_path):
 def test_missing_config_lists_available():
     with pytest.raises(ConfigError, match="laplace_tiny"):
         load_config("no_such_config")
+
+
+def test_a_yaml_with_execution_keys_under_model_names_the_new_section(tmp_path):
+    p = tmp_path / "old.yaml"
+    p.write_text("model:\n  d_model: 128\n  compute_dtype: float32\n")
+    with pytest.raises(ConfigError, match="write execution.compute_dtype"):
+        load_config(p)
+
+
+def test_a_saved_config_from_before_the_split_still_loads():
+    """Run dirs and checkpoints written before `execution` existed hold its keys under `model`."""
+    old = config_to_dict(load_config("laplace_tiny"))
+    old["model"].update(old.pop("execution"), remat="full", gla_impl="xla")
+    cfg = from_saved(old)
+    assert cfg.model == load_config("laplace_tiny").model
+    assert (cfg.execution.remat, cfg.execution.gla_impl, cfg.execution.compute_dtype) == ("full", "xla", "float32")
+
+
+@pytest.mark.parametrize("backend,gspmd,neuron,want", [
+    ("gpu", False, False, ("pallas", "pallas", False)),
+    ("gpu", True, False, ("xla", "xla", False)),       # GSPMD: the kernels have no partitioning rule
+    ("cpu", False, False, ("xla", "xla", False)),
+    ("cpu", False, True, ("xla", "xla", True)),        # neuron mode unrolls the GLA chunk loop
+])
+def test_resolve_execution_decides_auto_once(backend, gspmd, neuron, want):
+    cfg = load_config("laplace_tiny", [f"neuron_mode={neuron}"])
+    e = resolve_execution(cfg, backend, gspmd=gspmd).execution
+    assert (e.gla_impl, e.mix_impl, e.gla_unroll) == want
+
+
+@pytest.mark.parametrize("backend,overrides,where", [
+    ("cpu", ["execution.gla_impl=pallas"], "the cpu backend"),
+    ("gpu", ["execution.mix_impl=pallas", "neuron_mode=true"], "neuron mode"),
+])
+def test_an_explicit_kernel_that_cannot_run_is_an_error(backend, overrides, where):
+    with pytest.raises(ConfigError) as e:
+        resolve_execution(load_config("laplace_tiny", overrides), backend)
+    assert f"cannot run in {where}" in str(e.value) and "=auto or xla" in str(e.value)
+    for gspmd in (False, True):   # on a GPU it runs (under GSPMD XLA gathers its inputs): kept
+        kept = resolve_execution(load_config("laplace_tiny", ["execution.gla_impl=pallas"]), "gpu", gspmd=gspmd)
+        assert (kept.execution.gla_impl, kept.execution.mix_impl) == ("pallas", "pallas" if not gspmd else "xla")

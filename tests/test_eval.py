@@ -191,15 +191,16 @@ def test_passkey_cases_are_deterministic_oracle_100_uniform_chance():
 # ----------------------------------------------------------------------------- length: the state carry is exact
 
 def test_streamed_nll_equals_one_full_forward():
-    cfg = load_config("laplace_tiny", ["model.seq_len=64", "model.num_chunks=4", "model.vocab_size=512"]).model
+    net = load_config("laplace_tiny", ["model.seq_len=64", "model.num_chunks=4", "model.vocab_size=512"]).net
+    cfg = net.arch
     params = init_params(cfg, jax.random.PRNGKey(0))
     keys = iter(jax.random.split(jax.random.PRNGKey(1), 64))   # off the init (norms at 1, balance at 0)
     noise = jax.tree.map(lambda a: 0.05 * jax.random.normal(next(keys), a.shape), params)
     params = jax.jit(lambda p, n: jax.tree.map(jnp.add, p, n))(params, noise)
     tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(2), (2, 65), 0, cfg.vocab_size))
-    logits = forward(params, jnp.asarray(tokens[:, :-1]), cfg)
+    logits = forward(params, jnp.asarray(tokens[:, :-1]), net)
     ref = -np.take_along_axis(np.asarray(jax.nn.log_softmax(logits, -1)), tokens[:, 1:, None], -1)[..., 0]
-    scorer = Scorer(params, cfg)
+    scorer = Scorer(params, net)
     # |d nll| <= 2 max|d logit| (log-sum-exp and the target logit each move by at most max|d logit|);
     # chunked GLA over pieces vs the whole sequence is within 1e-4 of max|logit| (test_model's bound)
     tol = 2 * 1e-4 * float(jnp.max(jnp.abs(logits)))

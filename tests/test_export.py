@@ -1,6 +1,7 @@
 """Export (JAX params → HF folder) and the plain-torch reference model. CPU, a few seconds each.
 
 Needs torch + safetensors (the `serve` extra); skipped without them."""
+import dataclasses
 import importlib
 import json
 import math
@@ -10,7 +11,7 @@ import types
 import numpy as np
 import pytest
 
-from conftest import need  # noqa: E402
+from conftest import need, write_run  # noqa: E402
 
 torch = need("torch")
 need("safetensors")
@@ -18,14 +19,19 @@ need("safetensors")
 from export import convert  # noqa: E402
 from export.convert import (ExportError, converted_shapes, expected_shapes, export_params,  # noqa: E402
                             hf_config_dict)
-from export.torch_model import LaplaceConfig, LaplaceForCausalLM, check_state_dict  # noqa: E402
+from export.random_weights import random_params  # noqa: E402
+from export.torch_model import LaplaceForCausalLM, check_state_dict  # noqa: E402
+from laplace_jax import spec  # noqa: E402
+from laplace_jax.config import load_config  # noqa: E402
+from laplace_jax.spec import Arch  # noqa: E402
 
-from export.testing import TINY, random_params, tiny_model_cfg  # noqa: E402
+NET = load_config("laplace_tiny").net     # float32 compute
+ARCH = NET.arch
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    cfg = tiny_model_cfg()
+    cfg = ARCH
     params = random_params(cfg)
     out = tmp_path_factory.mktemp("export") / "tiny"
     export_params(params, cfg, out, "float32")
@@ -39,7 +45,7 @@ def test_folder_contents(exported):
             "generation_config.json"} <= names
     c = json.loads((out / "config.json").read_text())
     assert c["architectures"] == ["LaplaceForCausalLM"] and c["model_type"] == "laplace"
-    for k, v in TINY.items():
+    for k, v in dataclasses.asdict(ARCH).items():
         assert c["train_seq_len" if k == "seq_len" else k] == v, k
     assert len(c["gla_gamma"]) == cfg.num_heads
     assert c["gla_gamma"][0] == pytest.approx(-np.log(2.0))            # half-life t_min = 1
@@ -82,7 +88,7 @@ def test_jax_logits_equal_torch_logits(exported):
     model = pytest.importorskip("laplace_jax.model")
     cfg, params, out = exported
     toks = np.random.default_rng(2).integers(0, cfg.vocab_size, (2, cfg.seq_len))
-    jl = np.asarray(model.LaplaceLM(cfg).apply({"params": params}, jax.numpy.asarray(toks)))
+    jl = np.asarray(model.LaplaceLM(NET).apply({"params": params}, jax.numpy.asarray(toks)))
     m = LaplaceForCausalLM.from_pretrained(out)
     with torch.no_grad():
         tl = m(torch.tensor(toks))[0].numpy()
@@ -94,11 +100,11 @@ def test_jax_init_params_round_trip(tmp_path):
     """The lead's own initialiser → export → torch: same logits."""
     jax = pytest.importorskip("jax")
     model = pytest.importorskip("laplace_jax.model")
-    cfg = tiny_model_cfg()
+    cfg = ARCH
     params = jax.tree.map(np.asarray, model.init_params(cfg, jax.random.PRNGKey(3)))
     export_params(params, cfg, tmp_path / "o", "float32")
     toks = np.random.default_rng(3).integers(0, cfg.vocab_size, (1, cfg.seq_len))
-    jl = np.asarray(model.LaplaceLM(cfg).apply({"params": params}, jax.numpy.asarray(toks)))
+    jl = np.asarray(model.LaplaceLM(NET).apply({"params": params}, jax.numpy.asarray(toks)))
     with torch.no_grad():
         tl = LaplaceForCausalLM.from_pretrained(tmp_path / "o")(torch.tensor(toks))[0].numpy()
     assert np.abs(tl - jl).max() / np.abs(jl).max() <= 1e-4
@@ -113,10 +119,10 @@ def test_jax_greedy_equals_torch_greedy(exported):
     cfg, params, out = exported
     m = LaplaceForCausalLM.from_pretrained(out)
     jp = jax.tree.map(jnp.asarray, params)
-    step = jax.jit(lambda p, t, s: model.decode_step(p, t, s, cfg))
+    step = jax.jit(lambda p, t, s: model.decode_step(p, t, s, NET))
     for prompt in ([50256], list(range(1000, 1077)), list(range(7, 44))):
         want = m.generate(prompt, 48)
-        logits, st = model.prefill(jp, jnp.asarray([prompt]), cfg)
+        logits, st = model.prefill(jp, jnp.asarray([prompt]), NET)
         got = [int(jnp.argmax(logits[0, -1]))]
         while len(got) < 48:
             logits, st = step(jp, jnp.asarray([got[-1]]), st)
@@ -140,11 +146,12 @@ def test_bfloat16_export(tmp_path, exported):
 def _old_export_tensors(params, num_layers, tdtype):
     """The export before streaming (all float32 copies, torch copies, then the cast): the reference bytes."""
     flat = {}
-    for src, dst, fn in convert.GLOBAL_TABLE:
-        flat[dst] = np.ascontiguousarray(fn(np.asarray(params[src], np.float32)))
-    for src, dst, fn in convert.LAYER_TABLE:
+    for p in spec.global_params():
+        flat[p.torch_name] = np.ascontiguousarray(convert.TRANSFORMS[p.to_torch](np.asarray(params[p.name], np.float32)))
+    for p in spec.layer_params():
         for i in range(num_layers):
-            flat[dst.format(i=i)] = np.ascontiguousarray(fn(np.asarray(params["layers"][src], np.float32)[i]))
+            src = np.asarray(params["layers"][p.name], np.float32)[i]
+            flat[p.torch_name.format(i=i)] = np.ascontiguousarray(convert.TRANSFORMS[p.to_torch](src))
     return {k: torch.tensor(v).to(tdtype).contiguous() for k, v in flat.items()}
 
 
@@ -181,10 +188,9 @@ def test_3b_export_shapes_match_torch_and_config_json(shapes_3b):
     = the meta-device torch model's, built from the model config and from the config.json export writes."""
     cfg, shapes = shapes_3b
     got = converted_shapes(shapes, cfg.num_layers)
-    lcfg = LaplaceConfig.from_model_config(cfg)
-    check_state_dict(expected_shapes(lcfg), got, "laplace_3b")      # names the tensors that differ
-    written = json.loads(json.dumps(hf_config_dict(lcfg, "bfloat16")))
-    check_state_dict(expected_shapes(LaplaceConfig.from_dict(written)), got, "laplace_3b config.json")
+    check_state_dict(expected_shapes(cfg), got, "laplace_3b")      # names the tensors that differ
+    written = json.loads(json.dumps(hf_config_dict(cfg, "bfloat16")))
+    check_state_dict(expected_shapes(Arch.from_json(written)), got, "laplace_3b config.json")
     assert round(sum(math.prod(s) for s in got.values()) / 1e9, 2) == 3.03
     assert len(got) == 3 + 10 * 24
     assert got["lm_head.weight"] == (50304, 3072) and got["layers.23.w_12.weight"] == (16384, 3072)
@@ -195,21 +201,20 @@ def test_3b_shape_check_catches_a_dropped_transform(shapes_3b, monkeypatch):
     """Each transform replaced by the identity in turn: the 3B shape check must fail, except for
     w_out, [D, D], whose transpose no shape can show (the logits tests catch that one)."""
     cfg, shapes = shapes_3b
-    want = expected_shapes(LaplaceConfig.from_model_config(cfg))
+    want = expected_shapes(cfg)
     caught = {}
-    for table in ("GLOBAL_TABLE", "LAYER_TABLE"):
-        rows = getattr(convert, table)
-        for j, (src, dst, fn) in enumerate(rows):
-            if fn is convert._id:
-                continue
-            monkeypatch.setattr(convert, table, rows[:j] + [(src, dst, convert._id)] + rows[j + 1:])
-            try:
-                check_state_dict(want, converted_shapes(shapes, cfg.num_layers), "3b")
-                caught[src] = False
-            except ValueError as e:
-                assert "shape mismatch" in str(e) and dst.format(i=0).split(".")[-2] in str(e), e
-                caught[src] = True
-            monkeypatch.setattr(convert, table, rows)
+    rows = spec.PARAMS
+    for j, p in enumerate(rows):
+        if p.to_torch == "id":
+            continue
+        monkeypatch.setattr(spec, "PARAMS", rows[:j] + (dataclasses.replace(p, to_torch="id"),) + rows[j + 1:])
+        try:
+            check_state_dict(want, converted_shapes(shapes, cfg.num_layers), "3b")
+            caught[p.name] = False
+        except ValueError as e:
+            assert "shape mismatch" in str(e) and p.torch_name.format(i=0).split(".")[-2] in str(e), e
+            caught[p.name] = True
+        monkeypatch.setattr(spec, "PARAMS", rows)
     assert caught == {"lm_head": True, "conv_w": True, "w_qkvg": True, "w_out": False,
                       "w_12": True, "w_3": True}
 
@@ -292,24 +297,6 @@ def test_cli_missing_step_lists_available(tmp_path, exported, monkeypatch, capsy
     assert "no such directory" in capsys.readouterr().err
 
 
-def _write_run(run_dir, params, cfg, steps):
-    """A run dir in laplace_jax.checkpoint's layout (params + meta only; what export reads)."""
-    import orbax.checkpoint as ocp
-    from laplace_jax.checkpoint import FORMAT, checkpoint_dir
-    from laplace_jax.config import Config, config_to_dict
-    full = Config(model=cfg)
-    for step in steps:
-        d = checkpoint_dir(run_dir) / str(step)
-        ckptr = ocp.StandardCheckpointer()
-        ckptr.save(d / "params", params)
-        ckptr.wait_until_finished()
-        (d / "meta").mkdir(parents=True)
-        (d / "meta" / "metadata").write_text(json.dumps(
-            {"format": FORMAT, "step": step, "config": config_to_dict(full)}))
-        (d / "train").mkdir()          # export must never read the optimizer state: junk here
-        (d / "train" / "_METADATA").write_text("not a checkpoint")
-
-
 def test_cli_real_checkpoint(tmp_path, exported, capsys):
     """The lead's orbax layout → `python -m export` → torch logits = JAX logits; bad steps listed."""
     jax = pytest.importorskip("jax")
@@ -320,7 +307,7 @@ def test_cli_real_checkpoint(tmp_path, exported, capsys):
     model = importlib.import_module("laplace_jax.model")
     cfg, params, _ = exported
     run = tmp_path / "run"
-    _write_run(run, params, cfg, [10, 20])
+    write_run(run, params, cfg, [10, 20])
     from export.__main__ import main
     assert main(["--checkpoint", str(run), "--step", "15", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
@@ -328,7 +315,7 @@ def test_cli_real_checkpoint(tmp_path, exported, capsys):
     assert main(["--checkpoint", str(run), "--step", "10", "--out", str(tmp_path / "o")]) == 0
     assert json.loads((tmp_path / "o" / "config.json").read_text())["laplace_step"] == 10
     toks = np.random.default_rng(4).integers(0, cfg.vocab_size, (1, cfg.seq_len))
-    jl = np.asarray(model.LaplaceLM(cfg).apply({"params": params}, jax.numpy.asarray(toks)))
+    jl = np.asarray(model.LaplaceLM(NET).apply({"params": params}, jax.numpy.asarray(toks)))
     with torch.no_grad():
         tl = LaplaceForCausalLM.from_pretrained(tmp_path / "o")(torch.tensor(toks))[0].numpy()
     assert np.abs(tl - jl).max() / np.abs(jl).max() <= 1e-4

@@ -1,21 +1,23 @@
 """JAX generation: greedy output equals argmax over the full-sequence forward (recomputed from
 scratch each step), batches equal single runs, and compiled shapes stay within the fixed set."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from conftest import logit_atol
-from laplace_jax.config import load_config
+from laplace_jax.config import Net, load_config
 from laplace_jax.generate import Generator, Sampling, pick_width
 from laplace_jax.model import forward, init_params
 
-CFG = load_config("laplace_tiny", ["model.vocab_size=512", "model.seq_len=64", "model.num_chunks=4"]).model
+CFG = load_config("laplace_tiny", ["model.vocab_size=512", "model.seq_len=64", "model.num_chunks=4"]).net
 
 
 @pytest.fixture(scope="module")
 def params():
-    p = init_params(CFG, jax.random.PRNGKey(0))
+    p = init_params(CFG.arch, jax.random.PRNGKey(0))
     # a sharper distribution than init so greedy choices are well separated
     return jax.tree.map(lambda a: a * 3.0 if a.ndim == 2 else a, p)
 
@@ -26,7 +28,8 @@ def greedy_reference(params, prompt, n):
     rounding, a few logit_atol at most (test_model), so the two argmaxes agree exactly on every
     machine only where the top two logits are further apart: checked, not assumed."""
     ids = list(prompt)
-    fwd = jax.jit(lambda p, t: forward(p, t, CFG.__class__(**{**CFG.__dict__, "num_chunks": 1})))
+    one_chunk = Net(dataclasses.replace(CFG.arch, num_chunks=1), CFG.ex)   # any length: one chunk
+    fwd = jax.jit(lambda p, t: forward(p, t, one_chunk))
     for _ in range(n):
         logits = np.asarray(fwd(params, jnp.asarray([ids]))[0, -1])
         top2 = np.sort(logits)[-2:]

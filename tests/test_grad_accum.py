@@ -10,7 +10,7 @@ from laplace_jax.grad_accum import accumulate
 from laplace_jax.model import init_params
 from laplace_jax.sharding import batch_sharding, make_mesh, param_shardings, replicated
 
-OVR = ["model.vocab_size=512", "model.seq_len=32", "model.num_chunks=4", "model.compute_dtype=float32"]
+OVR = ["model.vocab_size=512", "model.seq_len=32", "model.num_chunks=4", "execution.compute_dtype=float32"]
 # A weight gradient sums over the step's tokens (768 and 512 here), per device and then across
 # devices, in an order that the mesh sets: two orders differ by 2 f32_sum_err(768, sum|terms|) =
 # 2.0e-5 of sum|terms|. GRAD_RTOL allows sum|terms| up to 10x the entry; GRAD_ATOL covers entries
@@ -82,13 +82,13 @@ def test_step_sync_gathers_once(setup):
 
 
 def test_pallas_kernels_per_device_equal_xla_on_one_device():
-    """model.gla_impl=pallas and model.mix_impl=pallas (Pallas' interpreter on CPU) inside
+    """execution.gla_impl=pallas and execution.mix_impl=pallas (Pallas' interpreter on CPU) inside
     grad_sync=step's shard_map on a 2x2 mesh give the gradients of the XLA forms on one device."""
     from laplace_jax.config import config_to_dict, from_dict
     cfg = load_config("laplace_tiny", ["model.vocab_size=512", "model.seq_len=64", "model.num_chunks=4",
-                                       "model.compute_dtype=float32", "model.gla_impl=pallas",
-                                       "model.mix_impl=pallas"])
-    xla_cfg = from_dict(config_to_dict(cfg), ["model.gla_impl=xla", "model.mix_impl=xla"])
+                                       "execution.compute_dtype=float32", "execution.gla_impl=pallas",
+                                       "execution.mix_impl=pallas"])
+    xla_cfg = from_dict(config_to_dict(cfg), ["execution.gla_impl=xla", "execution.mix_impl=xla"])
     params = init_params(cfg.model, jax.random.PRNGKey(1))
     toks = np.random.default_rng(1).integers(0, 512, (2, 4, 65), dtype=np.int32)
     batch = {"inputs": jnp.asarray(toks[..., :-1]), "targets": jnp.asarray(toks[..., 1:])}
@@ -98,15 +98,3 @@ def test_pallas_kernels_per_device_equal_xla_on_one_device():
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=mean_ce_rtol(batch["targets"].size, 512))
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=GRAD_RTOL, atol=GRAD_ATOL)
-
-
-def test_gspmd_code_uses_the_xla_gla_and_mix_under_auto():
-    from laplace_jax.config import config_to_dict, from_dict
-    from laplace_jax.grad_accum import for_gspmd
-    cfg = load_config("laplace_tiny", OVR)
-    assert (cfg.model.gla_impl, cfg.model.mix_impl) == ("auto", "auto")
-    assert (for_gspmd(cfg).model.gla_impl, for_gspmd(cfg).model.mix_impl) == ("xla", "xla")
-    gla_only = from_dict(config_to_dict(cfg), ["model.gla_impl=pallas"])
-    assert (for_gspmd(gla_only).model.gla_impl, for_gspmd(gla_only).model.mix_impl) == ("pallas", "xla")
-    pallas = from_dict(config_to_dict(cfg), ["model.gla_impl=pallas", "model.mix_impl=pallas"])
-    assert for_gspmd(pallas) is pallas

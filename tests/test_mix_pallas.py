@@ -118,14 +118,15 @@ def test_leading_axes_and_the_dispatchers_fallback():
 
 
 def test_model_loss_and_grads_agree_with_either_mix():
-    cfg = dataclasses.replace(load_config("laplace_tiny").model, vocab_size=256, num_layers=2)
-    params = init_params(cfg, jax.random.PRNGKey(0))
+    base = load_config("laplace_tiny")
+    cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, vocab_size=256, num_layers=2)).net
+    params = init_params(cfg.arch, jax.random.PRNGKey(0))
     params["layers"]["aug_balance"] = 0.3 * jax.random.normal(jax.random.PRNGKey(1),
                                                               params["layers"]["aug_balance"].shape)
-    tokens = jax.random.randint(jax.random.PRNGKey(2), (2, cfg.seq_len), 0, cfg.vocab_size)
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (2, cfg.arch.seq_len), 0, cfg.arch.vocab_size)
 
     def value_and_grad(impl):
-        c = dataclasses.replace(cfg, mix_impl=impl)
+        c = cfg.with_execution(mix_impl=impl)
         return jax.value_and_grad(lambda p: jnp.mean(forward(p, tokens, c) ** 2))(params)
 
     (lx, gx), (lp, gp) = value_and_grad("xla"), value_and_grad("pallas")

@@ -12,7 +12,7 @@ from laplace_jax.model import (LaplaceLM, decode_step, forward, init_params, ini
                                state_bytes_per_sequence)
 
 SMALL = ["model.num_chunks=4", "model.seq_len=64", "model.vocab_size=512"]
-CFG = load_config("laplace_tiny", SMALL).model
+CFG = load_config("laplace_tiny", SMALL).net
 _decode = jax.jit(decode_step, static_argnums=3)
 _prefill = jax.jit(prefill, static_argnums=2)
 _forward = jax.jit(forward, static_argnums=2)
@@ -20,7 +20,7 @@ _forward = jax.jit(forward, static_argnums=2)
 
 @pytest.fixture(scope="module")
 def params():
-    p = init_params(CFG, jax.random.PRNGKey(0))
+    p = init_params(CFG.arch, jax.random.PRNGKey(0))
     # move every weight off its init (aug_balance starts at 0, norms at 1) so each one matters
     keys = iter(jax.random.split(jax.random.PRNGKey(1), 64))
     noise = {id(a): 0.05 * jax.random.normal(next(keys), a.shape) for a in jax.tree.leaves(p)}
@@ -30,7 +30,7 @@ def params():
 
 @pytest.fixture(scope="module")
 def tokens():
-    return jax.random.randint(jax.random.PRNGKey(2), (2, 64), 0, CFG.vocab_size)
+    return jax.random.randint(jax.random.PRNGKey(2), (2, 64), 0, CFG.arch.vocab_size)
 
 
 def rel(a, b):
@@ -38,13 +38,13 @@ def rel(a, b):
 
 
 def test_param_tree_matches_contract(params):
-    L, D = CFG.num_layers, CFG.d_model
-    assert params["embed"].shape == (CFG.vocab_size, D)
-    assert params["lm_head"].shape == (D, CFG.vocab_size)
-    assert params["layers"]["w_qkvg"].shape == (L, D, CFG.qkvg_dim)
-    assert params["layers"]["w_12"].shape == (L, D, 2 * CFG.ffn_dim)
-    assert params["layers"]["aug_balance"].shape == (L, CFG.num_heads, CFG.d_k)
-    fresh = init_params(CFG, jax.random.PRNGKey(0))
+    L, D = CFG.arch.num_layers, CFG.arch.d_model
+    assert params["embed"].shape == (CFG.arch.vocab_size, D)
+    assert params["lm_head"].shape == (D, CFG.arch.vocab_size)
+    assert params["layers"]["w_qkvg"].shape == (L, D, CFG.arch.qkvg_dim)
+    assert params["layers"]["w_12"].shape == (L, D, 2 * CFG.arch.ffn_dim)
+    assert params["layers"]["aug_balance"].shape == (L, CFG.arch.num_heads, CFG.arch.d_k)
+    fresh = init_params(CFG.arch, jax.random.PRNGKey(0))
     assert not np.any(fresh["layers"]["aug_balance"])  # σ(0) = ½: half-strength value skip
 
 
@@ -78,7 +78,7 @@ def test_prefill_in_pieces_continues_the_state(params, tokens):
 
 
 def test_decode_from_zero_state_equals_prefill(params, tokens):
-    state = init_state(CFG, 2)
+    state = init_state(CFG.arch, 2)
     logits, _ = _prefill(params, tokens[:, :8], CFG)
     for t in range(8):
         step_logits, state = _decode(params, tokens[:, t], state, CFG)
@@ -91,15 +91,14 @@ def test_state_is_fixed_size_float32(params, tokens):
     for a, b in zip(jax.tree.leaves(s_short), jax.tree.leaves(s_long)):
         assert a.shape == b.shape and a.dtype == jnp.float32
     nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(s_long)) // 2
-    assert nbytes == state_bytes_per_sequence(CFG)
+    assert nbytes == state_bytes_per_sequence(CFG.arch)
 
 
-@pytest.mark.parametrize("overrides", [["model.scan_layers=false"], ["model.remat=full"],
-                                       ["model.gla_unroll=true"], ["model.remat=dots_no_batch"],
-                                       ["model.remat=dots_gla"], ["model.remat=dots_acts"]])
+@pytest.mark.parametrize("overrides", [["execution.scan_layers=false"], ["execution.remat=full"],
+                                       ["execution.gla_unroll=true"], ["execution.remat=dots_no_batch"],
+                                       ["execution.remat=dots_gla"], ["execution.remat=dots_acts"]])
 def test_layer_loop_variants_agree(params, tokens, overrides):
-    import dataclasses
-    cfg = load_config("laplace_tiny", SMALL + overrides).model
+    cfg = load_config("laplace_tiny", SMALL + overrides).net
     ref = _forward(params, tokens, CFG)
     out = _forward(params, tokens, cfg)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=0, atol=logit_atol(params))
@@ -111,10 +110,9 @@ def test_layer_loop_variants_agree(params, tokens, overrides):
 
 
 def _grad_jaxpr(remat: str, **model):
-    import dataclasses
-    cfg = dataclasses.replace(load_config("laplace_tiny", SMALL).model, remat=remat, **model)
-    p = init_params(cfg, jax.random.PRNGKey(0))
-    toks = jnp.zeros((1, cfg.seq_len), jnp.int32)
+    cfg = load_config("laplace_tiny", SMALL).net.with_execution(remat=remat, **model)
+    p = init_params(cfg.arch, jax.random.PRNGKey(0))
+    toks = jnp.zeros((1, cfg.arch.seq_len), jnp.int32)
     return p, jax.make_jaxpr(jax.grad(lambda p: forward(p, toks, cfg).mean()))(p)
 
 
@@ -185,18 +183,16 @@ def _grad_qkvg(params, tokens, cfg):
 
 
 def test_bf16_compute_close_to_float32(params, tokens):
-    import dataclasses
     ref = _forward(params, tokens, CFG)
-    out = _forward(params, tokens, dataclasses.replace(CFG, compute_dtype="bfloat16"))
+    out = _forward(params, tokens, CFG.with_execution(compute_dtype="bfloat16"))
     assert rel(out, ref) < 5e-2
 
 
 def test_bf16_dense_output_close_to_float32_output(params, tokens):
     """dense_output=compute writes the hidden projections in bf16 (as autocast does): values and
     gradients stay within bf16 rounding of the float32-output form."""
-    import dataclasses
-    bf = dataclasses.replace(CFG, compute_dtype="bfloat16")
-    ref_cfg = dataclasses.replace(bf, dense_output="float32")
+    bf = CFG.with_execution(compute_dtype="bfloat16")
+    ref_cfg = bf.with_execution(dense_output="float32")
     assert rel(_forward(params, tokens, bf), _forward(params, tokens, ref_cfg)) < 2e-2
     assert rel(_grad_qkvg(params, tokens, bf), _grad_qkvg(params, tokens, ref_cfg)) < 5e-2
 
@@ -208,8 +204,7 @@ def test_decode_state_in_place_equals_scanned_state(params, tokens, scan_layers)
     is read and written back differs: slicing, no arithmetic), so they agree bit for bit. The
     Python loop (eager, op by op) against the scan (one compiled program) orders its float32 sums
     differently: equal within float32 rounding."""
-    import dataclasses
-    cfg = dataclasses.replace(CFG, scan_layers=scan_layers)
+    cfg = CFG.with_execution(scan_layers=scan_layers)
     _, state = _prefill(params, tokens[:, :9], CFG)
     a = decode_step(params, tokens[:, 9], state, cfg)
     b = decode_step(params, tokens[:, 9], state, cfg, state_in_place=False)
@@ -220,7 +215,7 @@ def test_decode_state_in_place_equals_scanned_state(params, tokens, scan_layers)
     (a_logits, a_state), (c_logits, c_state) = a, decode_step(params, tokens[:, 9], state, CFG,
                                                                state_in_place=False)
     np.testing.assert_allclose(np.asarray(a_logits), np.asarray(c_logits), rtol=0, atol=logit_atol(params))
-    D = CFG.d_model
+    D = CFG.arch.d_model
     # A state entry (a conv window's layer-norm output; a GLA state's k v^T products) comes from
     # D-long sums whose terms are of its own scale; their signs cancel as a random walk's do, so
     # sum |terms| is about sqrt(D) times the entry.

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from conftest import mean_ce_rtol
-from laplace_jax.config import ConfigError, load_config
+from laplace_jax.config import ConfigError, load_config, resolve_execution
 from laplace_jax.generate import Generator, Sampling, pick_width
 from laplace_jax.model import init_state, param_shapes
-from laplace_jax.neuron import hlo_report, host_init_params, host_key, neuron_mode, neuron_violations
+from laplace_jax.neuron import hlo_report, host_init_params, host_key, neuron_violations
 from laplace_jax.ops import chunk_simple_gla
 from laplace_jax.optim import build_optimizer
 from laplace_jax.platform import NEURON_INSTALL, select_platform
@@ -45,8 +45,9 @@ def rbg():
 
 
 def tiny(*overrides):
-    return neuron_mode(load_config("laplace_tiny", ["model.vocab_size=512", "model.scan_layers=false",
-                                                    *overrides]))
+    """The tiny config as a neuron-mode entry point resolves it (on CPU)."""
+    return resolve_execution(load_config("laplace_tiny", ["model.vocab_size=512", "execution.scan_layers=false",
+                                                          "neuron_mode=true", *overrides]), "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +91,7 @@ def test_train_step_hlo_neuron_mode(setup):
     """Layers unrolled: forward+backward has no while at all; the whole step's only while loops
     are Muon's (one static lax.map of Newton-Schulz per weight kind, trip count = num_layers)."""
     cfg, tx, params, opt_state, batch = setup
-    assert cfg.neuron_mode and cfg.model.gla_unroll and not cfg.model.scan_layers
+    assert cfg.neuron_mode and cfg.execution.gla_unroll and not cfg.execution.scan_layers
     mb = jax.tree.map(lambda x: x[0], batch)
     grad = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, b, cfg))).lower(params, mb)
     g_low = hlo_report(grad.as_text())
@@ -111,7 +112,7 @@ def test_train_step_hlo_neuron_mode(setup):
 def test_scanned_layers_leave_only_the_layer_scan():
     """scan_layers=true: exactly two while loops, the layer scan forward and its transpose, each
     running num_layers times (a GLA chunk loop would run num_chunks = 16 times)."""
-    cfg = tiny("model.scan_layers=true")
+    cfg = tiny("execution.scan_layers=true")
     p = param_shapes(cfg.model)
     b = {k: jax.ShapeDtypeStruct((2, cfg.model.seq_len), jnp.int32) for k in ("inputs", "targets")}
     lowered = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, b, cfg))).lower(p, b)
@@ -136,7 +137,7 @@ def test_train_step_unrolls_accumulation():
 
 def test_decode_and_prefill_hlo_neuron_mode(setup):
     cfg, _, params, _, _ = setup
-    gen = Generator(params, cfg.model, cfg.decode_widths, Sampling(temperature=0.8, top_k=5))  # RNG in the graph
+    gen = Generator(params, cfg.net, cfg.decode_widths, Sampling(temperature=0.8, top_k=5))  # RNG in the graph
     W = cfg.decode_widths[-1]
     dec = gen._decode_jit.lower(params, jnp.zeros((W,), jnp.int32), init_state(cfg.model, W), jax.random.PRNGKey(0))
     pre = gen._prefill_jit.lower(params, jnp.zeros((1, gen.piece), jnp.int32), state=init_state(cfg.model, 1))
@@ -149,9 +150,8 @@ def test_decode_and_prefill_hlo_neuron_mode(setup):
             r = hlo_report(text)
             assert r["while"] == 0 and clean(r), (name, r)
     # scanned layers: the decode step's only while loop is the layer scan
-    scfg = dataclasses.replace(cfg.model, scan_layers=True)
-    sgen = Generator(params, scfg, cfg.decode_widths)
-    r = hlo_report(sgen._decode_jit.lower(params, jnp.zeros((W,), jnp.int32), init_state(scfg, W),
+    sgen = Generator(params, cfg.net.with_execution(scan_layers=True), cfg.decode_widths)
+    r = hlo_report(sgen._decode_jit.lower(params, jnp.zeros((W,), jnp.int32), init_state(cfg.model, W),
                                       jax.random.PRNGKey(0)).compile().as_text())
     assert r["while"] == 1 and r["trip_counts"] == [cfg.model.num_layers] and clean(r), r
 
@@ -194,7 +194,7 @@ def staggered(gen, requests):
 
 def test_staggered_arrivals_compile_only_configured_widths(setup):
     cfg, _, params, _, _ = setup
-    gen = Generator(params, cfg.model, cfg.decode_widths)
+    gen = Generator(params, cfg.net, cfg.decode_widths)
     rng = np.random.default_rng(0)
     arrivals = [0, 0, 1, 3, 3, 3, 4, 6, 6, 7, 7, 7, 9, 12, 15]
     requests = [(t, [int(x) for x in rng.integers(0, cfg.model.vocab_size, int(rng.integers(1, 40)))],
@@ -246,7 +246,8 @@ def test_model_gradients_unrolled_equal_default(setup):
     cfg = tiny("model.seq_len=64")  # still 16 chunks (of 4): a quicker compile
     mb = {k: jnp.asarray(np.random.default_rng(i).integers(0, cfg.model.vocab_size, (2, 64)), jnp.int32)
           for i, k in enumerate(("inputs", "targets"))}
-    scanned = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, gla_unroll=False, scan_layers=True))
+    scanned = dataclasses.replace(cfg, execution=dataclasses.replace(cfg.execution, gla_unroll=False,
+                                                                      scan_layers=True))
     lu, gu = jax.jit(jax.value_and_grad(lambda p: loss_fn(p, mb, cfg)))(params)
     ls, gs = jax.jit(jax.value_and_grad(lambda p: loss_fn(p, mb, scanned)))(params)
     np.testing.assert_allclose(lu, ls, rtol=mean_ce_rtol(mb["targets"].size, cfg.model.vocab_size))
@@ -285,9 +286,9 @@ def test_platform_neuron_keeps_the_host_cpu(monkeypatch):
 
 def test_neuron_mode_config():
     cfg = load_config("laplace_tiny", ["neuron_mode=true"])
-    assert cfg.neuron_mode and not cfg.model.gla_unroll  # the flag alone; train() applies neuron_mode()
-    n = neuron_mode(cfg)
-    assert n.model.gla_unroll and n.model.scan_layers == cfg.model.scan_layers
+    assert cfg.neuron_mode and not cfg.execution.gla_unroll  # the flag alone; entry points resolve it
+    n = resolve_execution(cfg, "cpu")
+    assert n.execution.gla_unroll and n.execution.scan_layers == cfg.execution.scan_layers
     params = host_init_params(n.model, host_key(0))
     assert {d.platform for a in jax.tree.leaves(params) for d in a.devices()} == {"cpu"}
     mesh = make_mesh(n.mesh)  # all 8 emulated devices, FSDP-sharded placement

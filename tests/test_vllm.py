@@ -16,7 +16,8 @@ need("vllm")
 
 from export.convert import export_params  # noqa: E402
 from export.torch_model import LaplaceForCausalLM  # noqa: E402
-from export.testing import random_params, tiny_model_cfg  # noqa: E402
+from export.random_weights import random_params  # noqa: E402
+from laplace_jax.config import load_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 48
@@ -46,7 +47,7 @@ def match(got, want):
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    cfg = tiny_model_cfg()
+    cfg = load_config("laplace_tiny").model
     out = tmp_path_factory.mktemp("vllm") / "tiny32"
     export_params(random_params(cfg, seed=5), cfg, out, "float32")
     return cfg, out

@@ -35,7 +35,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="results folder (default: RUN/eval/step_N)")
     ap.add_argument("--platform", default=None, choices=["auto", "cpu", "gpu"], help="default: JAX's own choice")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                    help="compute dtype (default: the run's model.compute_dtype)")
+                    help="compute dtype (default: the run's execution.compute_dtype)")
     ap.add_argument("--seed", type=int, default=0, help="passkey cases and the MQAR eval stream")
     ap.add_argument("--heldout-batches", type=int, default=0,
                     help="trainer-sized eval batches (default 0: the whole split, up to 1M tokens)")
@@ -86,6 +86,9 @@ def _check_text_vocab(ckpt, tokenizer, task: str) -> None:
 
 def run_tasks(ckpt, tasks: list[str], args) -> dict:
     """Every task's results (JSON-able), in order; writes nothing."""
+    import jax
+
+    from laplace_jax.config import resolve_execution
     from laplace_jax.data.mqar import MQARSpec
     from laplace_jax.data.pipeline import TokenWindows
     from laplace_jax.data.tokenizer import get_tokenizer
@@ -94,7 +97,8 @@ def run_tasks(ckpt, tasks: list[str], args) -> dict:
 
     cfg = ckpt.cfg
     m = cfg.model
-    scorer = Scorer(ckpt.params, m)
+    # the held-out loss resolves the run's own config as the trainer does (GSPMD); the rest runs per device
+    scorer = Scorer(ckpt.params, resolve_execution(cfg, jax.default_backend()).net)
     tok = get_tokenizer()
     out = {}
     for task in tasks:
@@ -181,14 +185,15 @@ def main(argv: list[str] | None = None) -> int:
         select_platform(args.platform or "auto")  # before any array exists
         ckpt = load_checkpoint(args.checkpoint, args.step)
         if args.dtype:
-            ckpt.cfg = dataclasses.replace(ckpt.cfg, model=dataclasses.replace(ckpt.cfg.model, compute_dtype=args.dtype))
+            ckpt.cfg = dataclasses.replace(ckpt.cfg, execution=dataclasses.replace(ckpt.cfg.execution,
+                                                                                   compute_dtype=args.dtype))
         default = ["mqar"] if ckpt.cfg.data.source == "mqar" else list(TASKS)
         tasks = default if args.tasks is None else [t.strip() for t in args.tasks.split(",") if t.strip()]
         unknown = [t for t in tasks if t not in TASKS]
         if unknown or not tasks:
             raise EvalError(f"--tasks {args.tasks!r}: choose from {', '.join(TASKS)}")
         results = {"checkpoint": str(ckpt.run_dir), "step": ckpt.step, "config": ckpt.cfg.name,
-                   "compute_dtype": ckpt.cfg.model.compute_dtype, "tasks": run_tasks(ckpt, tasks, args)}
+                   "compute_dtype": ckpt.cfg.execution.compute_dtype, "tasks": run_tasks(ckpt, tasks, args)}
     except (CheckpointError, ConfigError, DataError, EvalError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from laplace_jax.checkpoint import load_params
-from laplace_jax.config import Config, ModelConfig
+from laplace_jax.config import Config, Net
 from laplace_jax.generate import Generator
 from laplace_jax.model import init_state, prefill
 
@@ -36,7 +36,7 @@ def load_checkpoint(run_dir: str | Path, step: int | None = None) -> Checkpoint:
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
-def _piece_nll(params: Params, inputs: jax.Array, targets: jax.Array, state: Params, cfg: ModelConfig
+def _piece_nll(params: Params, inputs: jax.Array, targets: jax.Array, state: Params, cfg: Net
                ) -> tuple[jax.Array, Params]:
     """One piece [B, P] continuing `state` → (next-token negative log-likelihoods [B, P], state)."""
     logits, state = prefill(params, inputs, cfg, state)
@@ -46,7 +46,7 @@ def _piece_nll(params: Params, inputs: jax.Array, targets: jax.Array, state: Par
 
 @functools.partial(jax.jit, static_argnames="cfg")
 def _continuation_logprob(params: Params, last_logits: jax.Array, state: Params, tokens: jax.Array,
-                          mask: jax.Array, cfg: ModelConfig) -> jax.Array:
+                          mask: jax.Array, cfg: Net) -> jax.Array:
     """log P(tokens[c, :n_c] | prompt) for C continuations of one prompt [C] (tokens/mask [C, T], the
     prompt's state of width 1 and its last-position logits [V])."""
     C = tokens.shape[0]
@@ -58,15 +58,16 @@ def _continuation_logprob(params: Params, last_logits: jax.Array, state: Params,
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "lo", "hi"))
-def _range_logits(params: Params, inputs: jax.Array, cfg: ModelConfig, lo: int, hi: int) -> jax.Array:
+def _range_logits(params: Params, inputs: jax.Array, cfg: Net, lo: int, hi: int) -> jax.Array:
     logits, _ = prefill(params, inputs, cfg)
     return logits[..., lo:hi]
 
 
 class Scorer:
-    """Log-probabilities of one model (parameters placed on the first device)."""
+    """Log-probabilities of one model (parameters placed on the first device; `cfg`: the run's
+    `Config.net` with its execution resolved for this backend, `config.resolve_execution`)."""
 
-    def __init__(self, params: Params, cfg: ModelConfig):
+    def __init__(self, params: Params, cfg: Net):
         self.cfg = cfg
         self.params = jax.device_put(params, jax.devices()[0])
         self._generator = Generator(self.params, cfg, widths=(1,))
@@ -77,7 +78,7 @@ class Scorer:
         (the last piece may be shorter). `progress(n)` is called after each piece."""
         tokens = np.asarray(tokens, np.int32)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        state = init_state(self.cfg, tokens.shape[0])
+        state = init_state(self.cfg.arch, tokens.shape[0])
         out = []
         for a in range(0, inputs.shape[1], piece):
             nll, state = _piece_nll(self.params, inputs[:, a:a + piece], targets[:, a:a + piece], state, cfg=self.cfg)

@@ -1,5 +1,6 @@
 """Which form of an op with Pallas GPU kernels runs: the `impl` argument of `chunk_simple_gla` and
-`gated_mix` (configs: `model.gla_impl`, `model.mix_impl`)."""
+`gated_mix` (configs: `execution.gla_impl`, `execution.mix_impl`, resolved by
+`config.resolve_execution`; `auto` here serves callers of the ops themselves)."""
 from __future__ import annotations
 
 import jax

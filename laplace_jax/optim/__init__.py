@@ -13,7 +13,6 @@ _EXPORTS = {
     "muon": "muon", "scale_by_muon": "muon", "newton_schulz": "muon",
     "orthogonalize": "muon", "orthogonalize_stack": "muon", "shape_scale": "muon",
     "make_plan": "plan", "muon_traffic_bytes": "plan", "ns_flops": "plan", "MuonPlan": "plan",
-    "param_shapes": "shapes", "param_shape_tuples": "shapes",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -5,13 +5,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
+
+from laplace_jax import spec
 
 from .muon import muon
 
-MUON, ADAMW = "muon", "adamw"
-DECAYED_ADAMW = ("embed", "lm_head")   # AdamW weight decay only on these (top-level) leaves
+MUON, ADAMW = spec.MUON, spec.ADAMW
 
 
 def key_name(p) -> str:
@@ -19,19 +19,27 @@ def key_name(p) -> str:
     return str(getattr(p, "key", getattr(p, "name", getattr(p, "idx", p))))
 
 
+def param_row(path: tuple[Any, ...]) -> spec.Param:
+    """The `spec.PARAMS` row of a parameter leaf (by its name, the path's last key)."""
+    row = spec.lookup(key_name(path[-1])) if path else None
+    if row is None:
+        names = "/".join(key_name(p) for p in path)
+        raise ValueError(f"parameter '{names}' is not in laplace_jax.spec.PARAMS: add a row for it there")
+    return row
+
+
 def is_muon_path(path: tuple[Any, ...]) -> bool:
-    """The Muon group: every hidden matrix, named ``w_*`` (docs/PARAMS.md). The one place the rule lives."""
-    return bool(path) and key_name(path[-1]).startswith("w_")
+    """The Muon group (`spec.Param.group`): the stacked hidden matrices."""
+    return param_row(path).group == spec.MUON
 
 
 def label_params(params: Any) -> Any:
-    """'muon' for every leaf whose key starts with ``w_`` (stacked [L, m, n]); 'adamw' otherwise."""
+    """'muon' or 'adamw' per leaf, from the parameter table's groups."""
     return jax.tree_util.tree_map_with_path(lambda path, _: MUON if is_muon_path(path) else ADAMW, params)
 
 
 def _adamw_decay_mask(params: Any) -> Any:
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: bool(path) and key_name(path[-1]) in DECAYED_ADAMW, params)
+    return jax.tree_util.tree_map_with_path(lambda path, _: param_row(path).group == spec.ADAMW_DECAY, params)
 
 
 def make_schedule(optim_cfg: Any) -> optax.Schedule:
@@ -92,14 +100,14 @@ def assignment_report(params: Any, *, comm: str = "", comm_dtype: str = "",
             rep.adamw_tensors += 1
             rep.adamw_params += _size(x)
             rep.adamw_leaves.append(name)
-            if path and key_name(path[-1]) in DECAYED_ADAMW:
+            if param_row(path).group == spec.ADAMW_DECAY:
                 rep.adamw_decayed.append(name)
     return rep
 
 
 def build_optimizer(optim_cfg: Any, params: Any, *, mesh=None,
                     fsdp_axis: str = "fsdp") -> tuple[optax.GradientTransformation, OptimizerReport]:
-    """Muon (``w_*`` leaves) + AdamW (the rest) under one warmup-cosine schedule.
+    """Muon (the table's `muon` group) + AdamW (the rest) under one warmup-cosine schedule.
 
     ``params`` may be arrays or `jax.ShapeDtypeStruct`s (only the tree and shapes are used).
     ``mesh``: when given, Muon orthogonalises with ``optim_cfg.muon_comm`` over ``fsdp_axis``

@@ -82,9 +82,9 @@ def _ensure_devices(n: int) -> None:
 
 
 def muon_leaf_shapes(model_cfg: Any) -> dict[str, tuple[int, int, int]]:
-    from .shapes import param_shape_tuples
-    layers = param_shape_tuples(model_cfg)["layers"]
-    return {k: tuple(v) for k, v in sorted(layers.items()) if k.startswith("w_")}
+    from laplace_jax import spec
+    return {p.name: p.shape(model_cfg) for p in sorted(spec.layer_params(), key=lambda p: p.name)
+            if p.group == spec.MUON}
 
 
 def measure(shapes: dict[str, tuple[int, ...]], n_ranks: int, comm: str, comm_dtype: str,
