@@ -82,11 +82,16 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
+    source: str = "text"             # text: token shards (path) | mqar: synthetic recall (data/mqar.py)
     path: str = ""                   # prepared shard folder; empty = the built-in demo corpus
     val_fraction: float = 0.02
-    shuffle_seed: int = 0
+    shuffle_seed: int = 0            # text: shuffle seed; mqar: generator seed
     num_workers: int = 0             # grain worker processes (0 = threads in-process)
     prefetch: int = 2
+    mqar_pairs: int = 8              # key-value pairs per sequence; each key is queried once
+    mqar_keys: int = 64              # key ids 0 .. keys-1
+    mqar_values: int = 64            # value ids keys .. keys+values-1; the rest of the vocab is filler
+    mqar_power_a: float = 0.01       # query gap g (in slots) drawn with P(g) ~ g^(a-1): 1 = uniform
 
 
 @dataclass(frozen=True)
@@ -188,6 +193,20 @@ def validate(cfg: Config) -> Config:
     _check(cfg.mesh.data > 0, f"mesh.data={cfg.mesh.data}: must be positive")
     _check(cfg.mesh.fsdp == -1 or cfg.mesh.fsdp > 0, f"mesh.fsdp={cfg.mesh.fsdp}: must be positive or -1 (all devices)")
     _check(0 <= cfg.data.val_fraction < 1, f"data.val_fraction={cfg.data.val_fraction}: must be in [0, 1)")
+    d = cfg.data
+    _check(d.source in ("text", "mqar"), f"data.source={d.source!r}: choose 'text' or 'mqar'")
+    if d.source == "mqar":
+        for name in ("mqar_pairs", "mqar_keys", "mqar_values", "mqar_power_a"):
+            _check(getattr(d, name) > 0, f"data.{name}={getattr(d, name)}: must be positive")
+        _check(d.mqar_keys >= d.mqar_pairs and d.mqar_values >= d.mqar_pairs,
+               f"data.mqar_keys={d.mqar_keys}, data.mqar_values={d.mqar_values}: each must be >= "
+               f"data.mqar_pairs={d.mqar_pairs} (a sequence's keys and values are distinct)")
+        _check(d.mqar_keys + d.mqar_values < m.vocab_size,
+               f"data.mqar_keys+data.mqar_values = {d.mqar_keys + d.mqar_values} leaves no filler id below "
+               f"model.vocab_size={m.vocab_size}: raise model.vocab_size or lower them")
+        _check(4 * d.mqar_pairs <= m.seq_len,
+               f"data.mqar_pairs={d.mqar_pairs} needs model.seq_len >= 4*pairs = {4 * d.mqar_pairs} "
+               f"(the pairs, then as many query slots): lower mqar_pairs or raise seq_len")
     _check(cfg.platform in ("auto", "cpu", "gpu", "neuron"),
            f"platform={cfg.platform!r}: choose one of auto, cpu, gpu, neuron")
     _check(len(cfg.decode_widths) > 0 and all(w > 0 for w in cfg.decode_widths)

@@ -37,9 +37,13 @@ F32 = jnp.float32
 
 
 def loss_fn(params: Any, batch: dict[str, jax.Array], cfg: Config) -> jax.Array:
-    """Mean next-token cross entropy (float32). batch: inputs/targets int32 [B, S]."""
+    """Mean next-token cross entropy (float32) over the scored targets. batch: inputs/targets int32
+    [B, S]; a negative target is not scored (MQAR's non-answer positions, data/mqar.py)."""
     logits = forward(params, batch["inputs"], cfg.net)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+    targets = batch["targets"]
+    scored = targets >= 0
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(targets, 0))
+    return jnp.sum(jnp.where(scored, ce, 0.0)) / jnp.maximum(jnp.sum(scored), 1).astype(F32)
 
 
 def _sum_micro(params: Any, batch: dict[str, jax.Array], cfg: Config) -> tuple[jax.Array, Any]:

@@ -45,7 +45,7 @@ from laplace_jax.cli import EXIT_USAGE, Parser, positive_int  # noqa: E402
 from laplace_jax.config import (DEFAULT_CONFIG, Config, ConfigError, config_to_dict, load_config,  # noqa: E402
                                 resolve_execution)
 from laplace_jax.data.corpus import DataError  # noqa: E402
-from laplace_jax.data.pipeline import make_eval_batches, make_train_iterator, resolve_data_dir  # noqa: E402
+from laplace_jax.data.pipeline import open_training_data  # noqa: E402
 from laplace_jax.info import gla_flop_per_token  # noqa: E402
 from laplace_jax.grad_accum import accumulate, loss_fn  # noqa: E402
 from laplace_jax.model import init_params, param_shapes  # noqa: E402
@@ -92,6 +92,29 @@ def all_finite(*trees) -> jax.Array:
     AND-ed on the device; only the scalar comes back to the host)."""
     leaves = [x for x in jax.tree.leaves(trees) if jnp.issubdtype(x.dtype, jnp.inexact)]
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.bool_(True)
+
+
+def heldout_evaluator(cfg: Config, mesh: Mesh, param_sh: Any, batches: list[dict[str, np.ndarray]]
+                      ) -> Callable[[Any], float]:
+    """`evaluate(params)`: the held-out loss the training loop logs as `eval_loss`, the mean over
+    `batches` (this process's rows {inputs, targets} [M/P, S] of each global [M, S] batch) of each
+    batch's mean next-token cross entropy (`loss_fn`; answer positions only for MQAR). Used by
+    `laplace_jax.eval`'s held-out task too, so both report the same number for the same tokens."""
+    eval_sh = batch_sharding(mesh, 2)
+    eval_cfg = resolve_execution(cfg, jax.default_backend(), gspmd=True)  # sharded by XLA, no shard_map
+    eval_fn = jax.jit(lambda p, b: loss_fn(p, b, eval_cfg), in_shardings=(param_sh, eval_sh),
+                      out_shardings=replicated(mesh))
+    nproc = jax.process_count()
+
+    def evaluate(params) -> float:
+        losses = []
+        for b in batches:
+            g = {k: jax.make_array_from_process_local_data(eval_sh, v, (v.shape[0] * nproc, v.shape[1]))
+                 for k, v in b.items()}
+            losses.append(float(eval_fn(params, g)))
+        return float(np.mean(losses))
+
+    return evaluate
 
 
 # ----------------------------------------------------------------------------- the run
@@ -202,7 +225,7 @@ class Run:
     run_dir: Path
     total: int                       # train until this step
     prog: TrainProgram
-    data_dir: Path
+    data: str                        # what it reads: the prepared folder, or the MQAR stream's settings
     data_iter: Any
     evaluate: Callable[[Any], float]  # params -> mean held-out loss
     mngr: Any                        # orbax CheckpointManager
@@ -255,46 +278,22 @@ def _lock_run_dir(run_dir: Path) -> RunDirLock:
     return lock
 
 
-def _make_evaluator(prog: TrainProgram, eval_batches: list, eval_cfg: Config) -> Callable[[Any], float]:
-    """params -> the mean loss over the fixed held-out batches. `eval_cfg`: resolved for GSPMD code
-    (the eval batch is sharded by XLA, not inside a shard_map)."""
-    mesh, L = prog.mesh, prog.layout
-    eval_sh = batch_sharding(mesh, 2)
-    eval_fn = jax.jit(lambda p, b: loss_fn(p, b, eval_cfg), in_shardings=(prog.param_sh, eval_sh),
-                      out_shardings=replicated(mesh))
-
-    def evaluate(params) -> float:
-        losses = []
-        for b in eval_batches:
-            g = {k: jax.make_array_from_process_local_data(eval_sh, v, (L.micro, L.seq_len)) for k, v in b.items()}
-            losses.append(float(eval_fn(params, g)))
-        return float(np.mean(losses))
-
-    return evaluate
-
-
 def open_run(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: bool = False) -> Run:
     """Set up a run: program and data (usage errors surface here, before anything is written), then the
     run dir's lock, then the state restored from its latest checkpoint or freshly initialised."""
     raw_cfg = cfg   # as given: what config.yaml records (auto kernels stay auto for another machine)
     cfg = resolve_execution(cfg, jax.default_backend(), gspmd=cfg.train.grad_sync == "micro")
-    eval_cfg = resolve_execution(raw_cfg, jax.default_backend(), gspmd=True)
     if is_neuron(cfg):  # platform=neuron or neuron_mode=true: unrolled graphs, rbg PRNG, host-CPU init
         use_rbg_prng()
     run_dir = Path(run_dir).expanduser().resolve()
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"--run-dir {run_dir} is a file: give a folder (new or of an earlier run)")
     pid, nproc = jax.process_index(), jax.process_count()
-    data_dir = resolve_data_dir(cfg.data.path, val_fraction=cfg.data.val_fraction)
     prog = build_program(cfg, make_mesh(cfg.mesh), nproc)
     L = prog.layout
-    data_iter = make_train_iterator(data_dir, seq_len=L.seq_len, batch_size=L.seqs_per_step // nproc,
-                                    seed=cfg.data.shuffle_seed, process_index=pid, process_count=nproc,
-                                    num_workers=cfg.data.num_workers, prefetch=cfg.data.prefetch,
-                                    vocab_size=cfg.model.vocab_size)
-    eval_batches = make_eval_batches(data_dir, seq_len=L.seq_len, batch_size=L.micro // nproc,
-                                     num_batches=cfg.train.eval_batches, vocab_size=cfg.model.vocab_size,
-                                     process_index=pid, process_count=nproc)
+    data_iter, eval_batches, data_desc = open_training_data(cfg, batch_size=L.seqs_per_step // nproc,
+                                                            eval_batch_size=L.micro // nproc,
+                                                            process_index=pid, process_count=nproc)
     try:
         lock = _lock_run_dir(run_dir)
     except RunDirBusy:
@@ -319,8 +318,8 @@ def open_run(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quie
         _close_iterator(data_iter)
         lock.release()
         raise
-    return Run(cfg, run_dir, cfg.train.steps if steps is None else steps, prog, data_dir, data_iter,
-               _make_evaluator(prog, eval_batches, eval_cfg), mngr, lock, unlog, log, params, opt_state, rng, start,
+    return Run(cfg, run_dir, cfg.train.steps if steps is None else steps, prog, data_desc, data_iter,
+               heldout_evaluator(raw_cfg, prog.mesh, prog.param_sh, eval_batches), mngr, lock, unlog, log, params, opt_state, rng, start,
                latest is not None, t_restore)
 
 
@@ -413,7 +412,7 @@ def _announce_and_compile(run: Run) -> tuple[Callable, Callable]:
     L, mesh = prog.layout, prog.mesh
     log.note(f"laplace_jax.train: {run.cfg.name} | {jax.device_count()} {jax.devices()[0].platform} device(s), "
              f"mesh {dict(mesh.shape)}, {jax.process_count()} process(es) | {L.seqs_per_step * L.seq_len:,} "
-             f"tokens/step = {L.accum} x {L.micro} x {L.seq_len} | data {run.data_dir}")
+             f"tokens/step = {L.accum} x {L.micro} x {L.seq_len} | data {run.data}")
     log.note(str(prog.report))
     if run.resumed:
         log.note(f"resumed from step {run.start} ({run.run_dir / 'checkpoints' / str(run.start)}) "

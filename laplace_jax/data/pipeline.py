@@ -10,6 +10,11 @@ Pipeline (train)::
     -> {"inputs": w[:, :-1], "targets": w[:, 1:]}   int32 [batch_size, seq_len]
     -> to_iter_dataset(threads) [-> mp_prefetch(num_workers)]
 
+Sources. `open_training_data(cfg)` is the trainer's switch on ``data.source``: ``text`` (the token
+windows below) or ``mqar`` (`laplace_jax.data.mqar`: examples that are a pure function of their
+index, not shuffled). Both end in the same repeat / process-shard / batch pipeline, so both resume
+from the same ``{"next_index": n}`` state.
+
 Windows. A split's shards are one concatenated token stream (documents separated by EOS, documents
 may straddle shards), so windows cross shard boundaries. Windows are non-overlapping in their first
 seq_len tokens (stride seq_len); window k's last token is window k+1's first, so every token of the
@@ -205,12 +210,16 @@ class TokenWindows:
         k = int(k)
         if not 0 <= k < self.num_windows:
             raise IndexError(f"window {k} out of range [0, {self.num_windows})")
-        pieces = window_pieces(k * self.seq_len, self.seq_len + 1, self._ends)
-        out = np.empty(self.seq_len + 1, dtype=np.int32)
+        return self.read(k * self.seq_len, self.seq_len + 1)
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        """int32 [count]: stream tokens start .. start+count-1 of the split (ids checked)."""
+        pieces = window_pieces(start, count, self._ends)
+        out = np.empty(count, dtype=np.int32)
         pos = 0
-        for shard, offset, count in pieces:
-            out[pos:pos + count] = self._read(shard, offset, count)
-            pos += count
+        for shard, offset, n in pieces:
+            out[pos:pos + n] = self._read(shard, offset, n)
+            pos += n
         self._check_ids(out, pieces)
         return out
 
@@ -283,10 +292,19 @@ def make_train_dataset(data_dir: str | os.PathLike[str], *, seq_len: int, batch_
     ds = grain.MapDataset.source(source)
     if shuffle:
         ds = ds.shuffle(seed=int(seed))
+    return _batched_stream(ds, _to_example, batch_size=batch_size, process_index=process_index,
+                           process_count=process_count, num_workers=num_workers, prefetch=prefetch)
+
+
+def _batched_stream(ds, to_example, *, batch_size: int, process_index: int, process_count: int,
+                    num_workers: int, prefetch: int):
+    """A source's elements (already shuffled, if at all) → the unlimited, process-sharded, batched
+    grain `IterDataset` of examples (module doc); every data source ends in this one pipeline, so
+    all resume the same way."""
     ds = ds.repeat(None)
     ds = ProcessBlocks(ds, batch_size, process_index, process_count)
     ds = ds.batch(batch_size, drop_remainder=True)
-    ds = ds.map(_to_example)
+    ds = ds.map(to_example)
     prefetch = max(0, int(prefetch))
     it_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=min(prefetch, 4), prefetch_buffer_size=prefetch))
     if num_workers > 0:
@@ -318,15 +336,80 @@ def make_eval_batches(data_dir: str | os.PathLike[str], *, seq_len: int, batch_s
     Same process-block layout as training. If the split has fewer windows than
     num_batches*batch_size*process_count, windows repeat (cyclically) to fill the batches.
     """
+    source = TokenWindows(data_dir, split, seq_len=seq_len, vocab_size=vocab_size)
+    return _first_batches(source, _to_example, batch_size=batch_size, num_batches=num_batches,
+                          process_index=process_index, process_count=process_count)
+
+
+def _first_batches(source, to_example, *, batch_size: int, num_batches: int, process_index: int,
+                   process_count: int) -> list[dict[str, np.ndarray]]:
+    """This process's rows of the first `num_batches` global batches of `source`, in order (cyclic)."""
     if batch_size <= 0 or num_batches <= 0:
         raise DataError(f"batch_size={batch_size}, num_batches={num_batches}: must be positive")
-    source = TokenWindows(data_dir, split, seq_len=seq_len, vocab_size=vocab_size)
     out = []
     for b in range(num_batches):
         rows = [source[_block_index(b * batch_size + j, batch_size, process_index, process_count)
-                       % source.num_windows] for j in range(batch_size)]
-        out.append(_to_example(np.stack(rows)))
+                       % len(source)] for j in range(batch_size)]
+        out.append(to_example(_stack(rows)))
     return out
+
+
+def _stack(rows: list) -> np.ndarray | dict[str, np.ndarray]:
+    """Rows of arrays (text windows) or of dicts of arrays (MQAR examples) → one batch."""
+    if isinstance(rows[0], dict):
+        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+    return np.stack(rows)
+
+
+# ----------------------------------------------------------------------------- MQAR and the source switch
+
+def _mqar_example(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: np.ascontiguousarray(batch[k], dtype=np.int32) for k in ("inputs", "targets")}
+
+
+def make_mqar_dataset(spec, *, batch_size: int, seed: int, process_index: int = 0, process_count: int = 1,
+                      num_workers: int = 0, prefetch: int = 2, split: str = "train"):
+    """The MQAR `IterDataset` (`laplace_jax.data.mqar`): the same batching, sharding and state as text;
+    each element is already random, so there is no shuffle."""
+    from laplace_jax.data.mqar import MQARSource
+    if batch_size <= 0:
+        raise DataError(f"batch_size={batch_size}: must be positive")
+    ds = grain.MapDataset.source(MQARSource(spec, seed, split))
+    return _batched_stream(ds, _mqar_example, batch_size=batch_size, process_index=process_index,
+                           process_count=process_count, num_workers=num_workers, prefetch=prefetch)
+
+
+def make_mqar_eval_batches(spec, *, batch_size: int, num_batches: int, seed: int, process_index: int = 0,
+                           process_count: int = 1, split: str = "val") -> list[dict[str, np.ndarray]]:
+    """`num_batches` fixed batches of the MQAR split `split` (examples 0, 1, ... of it)."""
+    from laplace_jax.data.mqar import MQARSource
+    return _first_batches(MQARSource(spec, seed, split), _mqar_example, batch_size=batch_size,
+                          num_batches=num_batches, process_index=process_index, process_count=process_count)
+
+
+def open_training_data(cfg, *, batch_size: int, eval_batch_size: int, process_index: int = 0,
+                       process_count: int = 1) -> tuple[Any, list[dict[str, np.ndarray]], str]:
+    """`cfg.data.source` → (train iterator, held-out batches, a description for the log).
+
+    batch_size / eval_batch_size: rows per process. text: windows of the prepared folder (`data.path`,
+    "" = the demo corpus); mqar: the synthetic stream of `laplace_jax.data.mqar` (seed
+    `data.shuffle_seed`; held-out = its `val` split)."""
+    d, m = cfg.data, cfg.model
+    shard = dict(process_index=process_index, process_count=process_count)
+    if d.source == "mqar":
+        from laplace_jax.data.mqar import MQARSpec
+        spec = MQARSpec.from_config(cfg)
+        it = iter(make_mqar_dataset(spec, batch_size=batch_size, seed=d.shuffle_seed, num_workers=d.num_workers,
+                                    prefetch=d.prefetch, **shard))
+        evals = make_mqar_eval_batches(spec, batch_size=eval_batch_size, num_batches=cfg.train.eval_batches,
+                                       seed=d.shuffle_seed, **shard)
+        return it, evals, f"mqar {spec}"
+    data_dir = resolve_data_dir(d.path, val_fraction=d.val_fraction)
+    it = make_train_iterator(data_dir, seq_len=m.seq_len, batch_size=batch_size, seed=d.shuffle_seed,
+                             num_workers=d.num_workers, prefetch=d.prefetch, vocab_size=m.vocab_size, **shard)
+    evals = make_eval_batches(data_dir, seq_len=m.seq_len, batch_size=eval_batch_size,
+                              num_batches=cfg.train.eval_batches, vocab_size=m.vocab_size, **shard)
+    return it, evals, str(data_dir)
 
 
 # ----------------------------------------------------------------------------- state
