@@ -1,0 +1,171 @@
+"""Where the time goes inside vLLM: torch-profiler tables of one prefill step and of decode steps.
+
+    python benchmarks/serve_profile.py --out DIR [--prefill-seqs 8 --prompt-len 2048
+        --decode-width 1280 --decode-steps 8 --max-num-batched-tokens 16384]
+    python benchmarks/serve_profile.py --smoke --out DIR     # CPU, tiny config (the test)
+
+The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so one torch profiler sees every
+kernel the model launches, the ones replayed from CUDA graphs included.  Same random-weight folder as
+`serve_bench.py` (reused from /dev/shm when there).  Writes DIR/profile_prefill.txt and
+DIR/profile_decode.txt (the top ops by self device time) and DIR/profile.json: per phase the wall
+time of the profiled region and the device time split by kernel kind (GEMM, Triton, copies, ...).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_bench import _model_folder, ensure_plugin_entry_point, log, make_prompts  # noqa: E402
+
+# kernel-name fragments → kind, first match wins (cuBLAS/CUTLASS GEMMs, Inductor's and our Triton
+# kernels, copies and gathers, the rest of aten's element-wise and reduction kernels)
+KINDS = (("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas")),
+         ("triton: our GLA", ("_gla_",)),
+         ("triton: inductor", ("triton_",)),
+         ("copy / gather / scatter", ("copy", "index", "gather", "scatter", "cat", "Cat", "memcpy", "Memcpy",
+                                      "memset", "Memset", "fill")),
+         ("aten element-wise / reduce", ("elementwise", "reduce", "Reduce", "softmax", "norm")))
+
+
+def kind_of(name: str) -> str:
+    for kind, keys in KINDS:
+        if any(k in name for k in keys):
+            return kind
+    return "other"
+
+
+def summarize(prof, wall_s: float, steps: int) -> dict:
+    """Device time by kernel kind (ms per step) from the profiler's kernel events."""
+    by_kind: dict[str, float] = {}
+    total = 0.0
+    for e in prof.events():
+        if e.device_type.name not in ("CUDA", "PrivateUse1") or e.device_time_total is None:
+            continue
+        us = e.device_time_total
+        by_kind[kind_of(e.name)] = by_kind.get(kind_of(e.name), 0.0) + us
+        total += us
+    per = max(1, steps)
+    return {"wall_ms_per_step": 1e3 * wall_s / per, "device_ms_per_step": total / 1e3 / per,
+            "by_kind_ms_per_step": {k: round(v / 1e3 / per, 3) for k, v in sorted(by_kind.items(),
+                                                                             key=lambda kv: -kv[1])}}
+
+
+def table(prof) -> str:
+    sort = "self_cuda_time_total" if prof.use_device == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=90)
+
+
+def profiled(fn, cuda: bool):
+    """Runs fn() under the torch profiler; returns (profiler, wall seconds)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    return prof, wall
+
+
+def decode_steps(llm, width: int, prompt_len: int, steps: int):
+    """Adds `width` short requests, steps the engine until every request has its first token (all
+    prefills done), then returns a function that runs `steps` pure decode steps."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    eng = llm.llm_engine
+    sp = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True, detokenize=False)
+    ids = [f"dec-{i}" for i in range(width)]
+    for rid, p in zip(ids, make_prompts(width, prompt_len, seed=5)):
+        eng.add_request(rid, TokensPrompt(prompt_token_ids=p), sp)
+    seen: set = set()
+    for _ in range(10 * width + 100):
+        seen.update(o.request_id for o in eng.step() if o.outputs[0].token_ids)
+        if len(seen) >= width:
+            break
+    for _ in range(3):          # async scheduling: let the pipeline settle on full-width decode
+        eng.step()
+
+    def run():
+        for _ in range(steps):
+            eng.step()
+    return run, lambda: eng.abort_request(ids)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--prefill-seqs", type=int, default=None)
+    ap.add_argument("--prompt-len", type=int, default=None)
+    ap.add_argument("--decode-width", type=int, default=None)
+    ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--gpu-mem", type=float, default=0.90)
+    a = ap.parse_args(argv)
+    a.prefill_seqs = a.prefill_seqs or (2 if a.smoke else 8)
+    a.prompt_len = a.prompt_len or (64 if a.smoke else 2048)
+    a.decode_width = a.decode_width or (4 if a.smoke else 1280)
+    a.dtype = a.dtype or ("float32" if a.smoke else "bfloat16")
+    a.max_num_batched_tokens = max(a.max_num_batched_tokens, a.prefill_seqs * a.prompt_len)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"       # the model runs in this process
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if a.smoke:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+    import torch
+    from vllm import LLM, SamplingParams
+
+    from laplace_jax.config import load_config
+    from laplace_jax.spec import Arch
+
+    cuda = torch.cuda.is_available() and not a.smoke
+    cfg = load_config("laplace_tiny").model if a.smoke else Arch()
+    max_len = a.prompt_len + 64 + a.decode_steps
+    import tempfile
+    ensure_plugin_entry_point(Path(tempfile.mkdtemp(prefix="serve_profile_")))
+    folder, has_tok, _, _ = _model_folder(a, cfg, a.dtype, "cuda" if cuda else "cpu", max_len)
+    kw = dict(model=str(folder), dtype=a.dtype, max_num_seqs=max(a.decode_width, a.prefill_seqs),
+              max_model_len=max_len, max_num_batched_tokens=a.max_num_batched_tokens,
+              enable_prefix_caching=False, seed=0, enforce_eager=a.smoke, skip_tokenizer_init=not has_tok)
+    if cuda:
+        kw.update(gpu_memory_utilization=a.gpu_mem,
+                  compilation_config={"max_cudagraph_capture_size": kw["max_num_seqs"]})
+    log(f"starting vLLM in-process: {kw}")
+    llm = LLM(**kw)
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(a.prefill_seqs, a.prompt_len, seed=3)]
+    llm.generate(prompts, sp, use_tqdm=False)                              # warm-up
+    res = {"args": vars(a), "device": torch.cuda.get_device_name() if cuda else "cpu"}
+
+    prof, wall = profiled(lambda: llm.generate(prompts, sp, use_tqdm=False), cuda)
+    res["prefill"] = summarize(prof, wall, 1)
+    res["prefill"]["tokens"] = a.prefill_seqs * a.prompt_len
+    res["prefill"]["tok_per_s"] = a.prefill_seqs * a.prompt_len / wall
+    (out / "profile_prefill.txt").write_text(table(prof))
+    log(f"prefill {a.prefill_seqs} x {a.prompt_len}: {res['prefill']}")
+
+    run, done = decode_steps(llm, a.decode_width, 16, a.decode_steps)
+    prof, wall = profiled(run, cuda)
+    done()
+    res["decode"] = summarize(prof, wall, a.decode_steps)
+    res["decode"]["width"] = a.decode_width
+    (out / "profile_decode.txt").write_text(table(prof))
+    log(f"decode width {a.decode_width}: {res['decode']}")
+    (out / "profile.json").write_text(json.dumps(res, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
