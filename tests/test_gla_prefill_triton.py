@@ -124,3 +124,95 @@ def test_conv_prefill_vs_conv_with_state():
     other = torch.ones_like(raw, dtype=torch.bool)
     other[slots, 5:5 + C * D] = False
     assert torch.equal(raw.view(torch.int32)[other], before.view(torch.int32)[other])
+
+
+# ----------------------------------------------------------------------------- the vLLM mixer
+
+@pytest.fixture(scope="module")
+def mixer():
+    """A LaplaceVllmMixer of the tiny config with random weights (built in a default VllmConfig)."""
+    need("vllm")
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from export.vllm_model import LaplaceVllmMixer
+    from laplace_jax.config import load_config
+
+    cfg = load_config("laplace_tiny").model
+    g = torch.Generator().manual_seed(5)
+    with set_current_vllm_config(VllmConfig()):
+        m = LaplaceVllmMixer(cfg, "layers.0.mixer")
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 1.0) + (p.dim() == 1))
+    return m.eval()
+
+
+def _step(nd, lens, ctx, slots):
+    """A metadata object with the fields the mixer reads: nd decode rows (1 token each) then the
+    prefill requests of `lens` tokens; ctx: context tokens before this step, per request."""
+    q = [1] * nd + list(lens)
+    qsl = torch.tensor([0, *torch.tensor(q).cumsum(0).tolist()], dtype=torch.int32)
+    return types.SimpleNamespace(
+        num_decodes=nd, num_prefills=len(lens), num_decode_tokens=nd, num_prefill_tokens=sum(lens),
+        query_start_loc=qsl, seq_lens=torch.tensor(ctx, dtype=torch.int32) + qsl[1:] - qsl[:-1],
+        state_indices_tensor=torch.tensor(slots, dtype=torch.int32))
+
+
+def _run(m, raw, md, xn, rows, triton_on, monkeypatch):
+    """The mixer's _forward on this step with its pools inside the page buffer `raw` (changed in
+    place); Triton paths on or off.  Returns the output [rows, D]."""
+    C, D = m.cfg.conv_kernel, m.cfg.d_model
+    conv_pool = raw[:, 3:3 + C * D].unflatten(1, (C, D))
+    gla_pool = raw[:, 3 + C * D: 3 + C * D + m.H * m.K * m.V].unflatten(1, (m.H, m.K, m.V))
+    monkeypatch.setenv("LAPLACE_VLLM_TRITON", "1" if triton_on else "0")
+    monkeypatch.setattr(m, "_metadata", lambda: md)
+    monkeypatch.setattr(m, "_pools", lambda: (conv_pool, gla_pool))
+    out = torch.full((rows, D), float("nan"))
+    m._forward(xn, out)
+    return out
+
+
+def test_vllm_mixer_triton_prefill_equals_torch_path(mixer, monkeypatch):
+    """A mixed step: 2 decode rows, then prefill requests of 1, 3, 17, 40 and 5 tokens (new and
+    continued ones; pages of new sequences hold NaN), 4 padding rows.  The Triton paths (decode
+    kernel; packed conv + GLA prefill, interpreter) against the torch paths: outputs and GLA states
+    within float32 rounding, conv windows equal."""
+    m = mixer
+    C, D, H, K, V = m.cfg.conv_kernel, m.cfg.d_model, m.H, m.K, m.V
+    g = torch.Generator().manual_seed(8)
+    lens, ctx = [1, 3, 17, 40, 5], [5, 0, 0, 7, 12, 33, 0]          # ctx: decodes first
+    slots = [4, 9, 2, 7, 11, 1, 5]
+    md = _step(2, lens, ctx, slots)
+    n = 2 + sum(lens)
+    raw = torch.randn(13, 3 + C * D + H * K * V + 5, generator=g)
+    for r, c in enumerate(ctx):
+        if c == 0:
+            raw[slots[r]] = float("nan")
+    xn = torch.randn(n + 4, D, generator=g)
+    raw_t = raw.clone()
+    calls = []
+    for mod, name in ((gpt, "gla_prefill_inplace"), (conv_triton, "conv_prefill_inplace")):
+        f = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, f=f, name=name, **kw: calls.append(name) or f(*a, **kw))
+    got = _run(m, raw_t, md, xn, n + 4, True, monkeypatch)
+    assert calls == ["conv_prefill_inplace", "gla_prefill_inplace"]       # one packed call each
+    want = _run(m, raw, md, xn, n + 4, False, monkeypatch)
+    assert len(calls) == 2                                                 # the torch path: none
+
+    assert torch.equal(got[n:], want[n:]) and not got[n:].any()
+    # o: each path within tolerance('ieee') of the exact GLA; mixer_post's head RMSNorm keeps a
+    # relative error; w_out adds a D-term float32 sum (λ·D·u for random signs, each path)
+    tol = 2 * 2 * gpt.tolerance("ieee", gpt.CHUNK, K) + 2 * 6 * D * U32
+    starts = md.query_start_loc.tolist()
+    for r, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
+        assert torch.isfinite(got[a:b]).all(), r
+        assert float((got[a:b] - want[a:b]).norm() / want[a:b].norm()) <= tol, r
+    cs = slice(3, 3 + C * D)
+    gs = slice(3 + C * D, 3 + C * D + H * K * V)
+    assert torch.equal(raw_t[slots][:, cs], raw[slots][:, cs])                   # input copies: exact
+    for s in slots:
+        assert float((raw_t[s, gs] - raw[s, gs]).norm() / raw[s, gs].norm()) <= 2 * gpt.tolerance("ieee", gpt.CHUNK, K)
+    others = [s for s in range(13) if s not in slots]
+    assert torch.equal(raw_t[others].view(torch.int32), raw[others].view(torch.int32))
+    edges = torch.cat([raw_t[:, :3], raw_t[:, gs.stop:]], 1), torch.cat([raw[:, :3], raw[:, gs.stop:]], 1)
+    assert torch.equal(edges[0].view(torch.int32), edges[1].view(torch.int32))     # NaN-aware
