@@ -46,7 +46,7 @@ if triton is not None:
         for t0 in range(bos, eos, BT):
             rows = t0 + rt
             mt = (rows < eos)[:, None] & md[None, :]
-            acc = tl.zeros((BT, BD), dtype=tl.float32) + bias[None, :]
+            acc = tl.full((BT, BD), 0.0, tl.float32) + bias[None, :]     # (see SILU below)
             for c in tl.static_range(C):
                 src = rows - (C - 1 - c)                                # the input this tap reads
                 in_x = (src >= bos)[:, None]
@@ -54,8 +54,10 @@ if triton is not None:
                 ws = tl.load(win + (C + src - bos)[:, None] * sp_c, mask=mt & (~in_x) & keep, other=0.0)
                 wc = tl.load(w_ptr + rd * sw_d + c * sw_c, mask=md, other=0.0).to(tl.float32)
                 acc += (xs.to(tl.float32) + ws) * wc[None, :]
-            if SILU:   # (not tl.sigmoid: a jit function of triton's, which the interpreter runs
-                acc = acc / (1.0 + tl.exp(-acc))   # only if triton was imported in its mode)
+            # not tl.sigmoid / tl.zeros: jit functions of triton's own, which the interpreter runs
+            # only if triton itself was imported with TRITON_INTERPRET=1 (the tests cannot ensure it)
+            if SILU:
+                acc = acc / (1.0 + tl.exp(-acc))
             tl.store(u_ptr + rows[:, None] * su_t + rd[None, :], acc.to(u_ptr.dtype.element_ty), mask=mt)
 
         # the new window: row j holds the input at eos - C + j (from the old window when before bos)

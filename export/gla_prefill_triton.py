@@ -123,13 +123,17 @@ def _rowmajor(x: torch.Tensor) -> torch.Tensor:
 
 
 def _modes(dtype: torch.dtype, precision: Optional[str]) -> tuple:
-    """(QK_MODE, MODE) for inputs of `dtype`: float32 → ieee; bf16 → bf16 q k^T, `precision` else."""
+    """(QK_MODE, MODE) for inputs of `dtype`.  MODE: `precision`, by default ieee for float32
+    inputs and tf32 for 16-bit ones.  q k^T of 16-bit inputs uses operands they are exact in:
+    bf16 for bf16, tf32 (11 significant bits) for float16."""
     low = dtype != torch.float32
     precision = precision or ("tf32" if low else "ieee")
     if precision not in _MODES:
         raise ValueError(f"precision={precision!r}: want one of {sorted(_MODES)}")
     mode = _MODES[precision]
-    return (_MODES["bf16"] if low else mode), mode
+    if not low:
+        return mode, mode
+    return (_MODES["bf16"] if dtype == torch.bfloat16 else _MODES["tf32"]), mode
 
 
 def gla_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor, q: torch.Tensor,

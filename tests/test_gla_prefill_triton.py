@@ -2,10 +2,11 @@
 CPU interpreter against float64 / torch references, and the vLLM mixer's Triton prefill path
 against its torch path.
 
-TRITON_INTERPRET=1 must be set when the kernels are decorated (import time), so it is set around
-this module's imports and, for the calls, by a fixture; it is not left in the environment, where
-the vLLM subprocesses of other tests would inherit it.  Triton is a test requirement: CI
-(`make install-test`) installs it, and `need` fails there rather than skipping."""
+TRITON_INTERPRET=1 must be set when the kernels are decorated (import time; triton's own, by
+conftest), so it is set around this module's imports and, for the calls, by a fixture; it is not
+left in the environment, where the vLLM subprocesses of other tests would inherit it.  Triton is a
+test requirement: CI (`make install-test`, the serve extra) installs it, and `need` fails there
+(CI=true) rather than skipping."""
 import os
 import types
 
@@ -20,7 +21,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 try:
     need("triton")
     import torch.nn.functional as F  # noqa: E402
-    from export import conv_triton, gla_prefill_triton as gpt  # noqa: E402
+    from export import conv_triton, gla_prefill_triton as gpt, gla_triton  # noqa: E402
     from export.torch_model import conv_with_state  # noqa: E402
 finally:
     if _saved is None:
@@ -34,9 +35,10 @@ U32 = 2.0 ** -24
 @pytest.fixture(autouse=True)
 def interpret(monkeypatch):
     from triton.runtime.interpreter import InterpretedFunction
-    kernels = (gpt._gla_prefill_kernel, conv_triton._conv_prefill_kernel)
+    import triton.language.standard as std
+    kernels = (gpt._gla_prefill_kernel, conv_triton._conv_prefill_kernel, gla_triton._gla_decode_kernel, std.sum)
     assert all(isinstance(k, InterpretedFunction) for k in kernels), \
-        "export's Triton kernels were imported before this module set TRITON_INTERPRET=1"
+        "triton or export's Triton kernels were imported before TRITON_INTERPRET=1 was set (conftest, this module)"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.delenv("LAPLACE_VLLM_TRITON", raising=False)
 
