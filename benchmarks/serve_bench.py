@@ -11,7 +11,8 @@ as it is known, so a run killed part-way still reports what it measured):
 
 a. a Hugging-Face folder with random weights (normal, std 0.02; norms 1) in bf16 (smoke: float32),
    config.json / tokenizer from export.convert's writers;
-b. on CUDA: `export.gla_triton.check_decode_kernel()` (fails if the error is > 1e-3);
+b. on CUDA: `export.gla_triton.check_decode_kernel()` (fails if the error is > 1e-3) and
+   `export.gla_prefill_triton.prefill_errors()` at the run's dtype (fails over its `tolerance`);
 c. one `vllm.LLM` (prefix caching off): state bytes per sequence as allocated, pool slots;
 d. A = requests × prompt_len prompts, new_tokens greedy tokens each (ignore_eos); H = the same
    with new//2 tokens; B = with max_tokens=1.  End-to-end tok/s = requests·new/tA; the last
@@ -189,6 +190,25 @@ def _model_folder(args, cfg, dtype, device, max_len) -> tuple:
     tok = build_random_folder(cfg, folder, dtype, device, max_len)
     marker.write_text(stamp)
     return folder, tok, time.time() - t0, False
+
+
+def check_prefill(dtype: str, rows) -> bool:
+    """Phase b's prefill kernel check at the serving dtype (float32: ieee products, else tf32)
+    against the float64 recurrence; False (logged) when over `gla_prefill_triton.tolerance`."""
+    import torch
+    from export import gla_prefill_triton as gpt
+
+    f32 = dtype == "float32"
+    prec = "ieee" if f32 else "tf32"
+    e = gpt.prefill_errors("cuda", dtype=torch.float32 if f32 else torch.bfloat16, precision=prec)
+    err, tol = max(e["o"], e["state"]), gpt.tolerance(prec)
+    log(f"b. prefill kernel ({prec}) relative error vs float64: o {e['o']:.2e} state {e['state']:.2e} "
+        f"(tolerance {tol:.1e}), {e['changed']} elements changed outside the states, seed {e['seed']}")
+    rows.add(f"prefill kernel relative error ({prec})", err, "")
+    ok = err <= tol and not e["changed"]
+    if not ok:
+        log("b. FAILED: prefill kernel check")
+    return ok
 
 
 # ----------------------------------------------------------------------------- c. vLLM worker probes
@@ -533,6 +553,8 @@ def main(argv=None) -> int:
             rows.add("decode kernel max abs error", err, "")
             if not err <= 1e-3:
                 log(f"b. FAILED: decode kernel error {err:.3e} > 1e-3")
+                return 3
+            if not check_prefill(a.dtype, rows):
                 return 3
         torch.cuda.empty_cache()
     else:

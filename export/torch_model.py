@@ -140,13 +140,16 @@ class LaplaceMixerWeights(nn.Module):
         self.register_buffer("gamma", torch.tensor(cfg.decay_log(), dtype=torch.float32), persistent=False)
         self.H, self.K, self.V, self.eps = H, K, V, cfg.norm_eps
 
-    def split(self, u):
+    def heads(self, qkvg):
+        """The projection [..., qkvg_dim] as q, k [..., H, K], v, g [..., H, V] (views, same dtype)."""
         H, K, V = self.H, self.K, self.V
-        qkvg = self.w_qkvg(u).float()
         q, k, v, g = torch.split(qkvg, [H * K, H * K, H * V, H * V], dim=-1)
         shp = qkvg.shape[:-1]
         return (q.reshape(*shp, H, K), k.reshape(*shp, H, K),
                 v.reshape(*shp, H, V), g.reshape(*shp, H, V))
+
+    def split(self, u):
+        return self.heads(self.w_qkvg(u).float())
 
     def forward_seq(self, xn, conv_state, gla_state, chunk: int = 64):
         """xn: layer-normed input [B, S, D]. Returns (out [B, S, D], conv_state, gla_state)."""

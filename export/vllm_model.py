@@ -5,9 +5,12 @@ Each layer's token mixer is a `MambaBase` layer whose two float32 states — the
 `MambaAttentionBackendEnum.LINEAR`).  The mixer runs as one opaque custom op
 (`torch.ops.vllm.laplace_mixer`) so the rest of the model can go through torch.compile.
 
-Prefill requests of equal query length run as one batch (chunked GLA with no loop over chunks);
-decode rows update the GLA state in place with a Triton kernel on CUDA (export/gla_triton.py;
-LAPLACE_VLLM_TRITON=0 falls back to the torch path, which CPU installs without triton always use).
+On CUDA with triton, Triton kernels update both states in the pool in place: decode rows through
+export/gla_triton.py, and all prefill requests of a step as one packed call each of
+export/conv_triton.py (conv window + SiLU) and export/gla_prefill_triton.py (chunked GLA), with no
+grouping by length and no state gather / scatter.  The torch path (CPU installs without triton, or
+LAPLACE_VLLM_TRITON=0) runs prefill requests of equal query length as one batch (chunked GLA with
+no loop over chunks) and the decode step in torch.
 A decode-only batch may be captured whole in a CUDA graph (the LINEAR backend allows uniform
 single-token decode graphs), so the decode path makes no host syncs.
 
@@ -32,7 +35,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from export.torch_model import LaplaceMixerWeights, _Norm, check_state_dict, layer_norm
 from laplace_jax.spec import Arch
 
-from export import gla_triton
+from export import conv_triton, gla_prefill_triton, gla_triton
 
 _gla_triton = gla_triton if gla_triton.triton is not None else None   # None: no triton (CPU installs)
 
@@ -121,7 +124,12 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
             output[n:].zero_()
         if nd > 0:   # no host sync here: a decode-only batch may be captured in a full CUDA graph
             output[:nd] = self._decode(xn[:nd], conv_pool, gla_pool, slots[:nd], has_ctx[:nd]).to(output.dtype)
-        if npf > 0:
+        if npf > 0 and _gla_triton is not None and _gla_triton.available(xn):
+            t0 = int(md.num_decode_tokens)     # prefill tokens follow the decode tokens
+            cu = qsl[nd:] - qsl[nd]
+            output[t0:n] = self._prefill_packed(xn[t0:n], conv_pool, gla_pool, slots[nd:nreq],
+                                                has_ctx[nd:nreq], cu).to(output.dtype)
+        elif npf > 0:
             self._prefill(xn, output, conv_pool, gla_pool, slots, has_ctx,
                           _prefill_groups(md, qsl, has_ctx, nd, nreq, self.chunk, self.H * self.K * self.V))
 
@@ -139,6 +147,19 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
         conv_pool[sl] = cs.to(conv_pool.dtype)
         gla_pool[sl] = gs.to(gla_pool.dtype)
         return o
+
+    def _prefill_packed(self, x, conv_pool, gla_pool, sl, keep, cu):
+        """All prefill requests at once (Triton, in place on both pools, no host sync).
+
+        x [T, D]: their tokens back to back, request r's at cu[r]:cu[r+1]; sl [R] slots; keep [R]
+        (False: a new sequence, zero states).  Returns the mixer output [T, D] in x's dtype."""
+        u = conv_triton.conv_prefill_inplace(conv_pool, sl, keep, x, self.conv.weight, self.conv.bias, cu)
+        q, k, v, g = self.heads(self.w_qkvg(u))
+        # the kernel reads q, k, v straight from the projection (strided views, x's dtype)
+        o = gla_prefill_triton.gla_prefill_inplace(gla_pool, sl, keep, q, k, v, self.gamma, cu)
+        # mixer_post in float32 as the torch path: q, k, v promote exactly inside its products;
+        # the gate's SiLU must see float32
+        return self.step_out(q, k, v, g.float(), o, x.dtype)
 
     def _prefill(self, xn, output, conv_pool, gla_pool, slots, has_ctx, groups):
         """Prefill requests of equal query length run as one batch: states gathered from the pool

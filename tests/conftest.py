@@ -6,6 +6,31 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+
+
+def _import_triton_for_its_interpreter() -> None:
+    """Import triton, where installed, with TRITON_INTERPRET=1, then take the variable out again.
+
+    Triton decides when a @triton.jit function is decorated whether it runs compiled or in the CPU
+    interpreter; its own library's (tl.sum, ...) are decorated at `import triton`, which
+    torch._dynamo does early in this suite.  Imported here, export's kernels can run in the
+    interpreter in this process (tests/test_gla_prefill_triton.py), while the vLLM subprocesses of
+    other tests inherit no TRITON_INTERPRET.  The suite runs no compiled Triton kernel."""
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+    except ImportError:
+        pass
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+_import_triton_for_its_interpreter()
+
 import collections  # noqa: E402
 import contextlib  # noqa: E402
 import importlib  # noqa: E402
