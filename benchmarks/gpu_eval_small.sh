@@ -12,6 +12,10 @@ export PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=0
 export PYTHONPATH=$PWD:/tmp/site:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/machine.txt"
 t() { local s=$SECONDS; "$@"; local rc=$?; echo "[timing] $((SECONDS - s)) s rc=$rc: $*" | tee -a "$out/timings.txt"; return $rc; }
+# one archive, rewritten after each stage (a call cut at its time limit still brings back what ran;
+# the device tool brings back at most 8 files)
+pack() { (cd /tmp/ev && tar czf "$out/eval_small.tgz" --exclude='checkpoints' --exclude='*.lock' \
+    $(ls -d mqar demo mqar_eval mqar_eval8x demo_eval 2>/dev/null)); }
 
 # MQAR: 16 pairs among 64 keys / 64 values, 128 filler ids, sequences of 512; 131,072 tokens a step
 MQAR="data.source=mqar model.vocab_size=256 model.seq_len=512 data.mqar_pairs=16 data.mqar_keys=64
@@ -22,6 +26,7 @@ t python3 -m laplace_jax.train --config laplace_small --run-dir /tmp/ev/mqar --p
 t python3 -m laplace_jax.eval --checkpoint /tmp/ev/mqar --platform gpu --out /tmp/ev/mqar_eval --mqar-sequences 1024 2>&1 | tail -n 30
 t python3 -m laplace_jax.eval --checkpoint /tmp/ev/mqar --platform gpu --out /tmp/ev/mqar_eval8x \
     --mqar-seq-len 4096 --mqar-sequences 256 2>&1 | tail -n 30
+pack
 
 # the demo corpus (1.02 M training tokens): a short run, then every text task
 DEMO="data.path=$PWD/.e2e/data train.steps=${DEMO_STEPS:-120} optim.total_steps=${DEMO_STEPS:-120}
@@ -30,8 +35,5 @@ DEMO="data.path=$PWD/.e2e/data train.steps=${DEMO_STEPS:-120} optim.total_steps=
 t python3 -m laplace_jax.train --config laplace_small --run-dir /tmp/ev/demo --platform gpu $DEMO 2>&1 | tail -n 20
 t python3 -m laplace_jax.eval --checkpoint /tmp/ev/demo --platform gpu --data "$PWD/.e2e/data" \
     --out /tmp/ev/demo_eval 2>&1 | tail -n 40
-
-# one archive (the device tool brings back at most 8 files)
-(cd /tmp/ev && tar czf "$out/eval_small.tgz" mqar/metrics.jsonl mqar/config.yaml demo/metrics.jsonl demo/config.yaml \
-    mqar_eval mqar_eval8x demo_eval 2>/dev/null)
+pack
 cat "$out/timings.txt"

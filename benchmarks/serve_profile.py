@@ -6,9 +6,11 @@
 
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so one torch profiler sees every
 kernel the model launches, the ones replayed from CUDA graphs included.  Same random-weight folder as
-`serve_bench.py` (reused from /dev/shm when there).  Writes DIR/profile_prefill.txt and
-DIR/profile_decode.txt (the top ops by self device time) and DIR/profile.json: per phase the wall
-time of the profiled region and the device time split by kernel kind (GEMM, Triton, copies, ...).
+`serve_bench.py` (reused from /dev/shm when there).  The prefill step is profiled twice in the
+same engine, on the torch path (LAPLACE_VLLM_TRITON=0) and on the packed Triton path (where triton
+runs: CUDA).  Writes DIR/profile_prefill_{torch,triton}.txt and DIR/profile_decode.txt (the top ops
+by self device time) and DIR/profile.json: per phase the wall time of the profiled region and the
+device time split by kernel kind (GEMM, Triton, copies, ...).  --decode-width 0 skips decode.
 """
 import argparse
 import json
@@ -23,7 +25,7 @@ from serve_bench import _model_folder, ensure_plugin_entry_point, log, make_prom
 # kernel-name fragments → kind, first match wins (cuBLAS/CUTLASS GEMMs, Inductor's and our Triton
 # kernels, copies and gathers, the rest of aten's element-wise and reduction kernels)
 KINDS = (("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas")),
-         ("triton: our GLA", ("_gla_",)),
+         ("triton: ours (GLA, conv)", ("_gla_", "_conv_")),
          ("triton: inductor", ("triton_",)),
          ("copy / gather / scatter", ("copy", "index", "gather", "scatter", "cat", "Cat", "memcpy", "Memcpy",
                                       "memset", "Memset", "fill")),
@@ -104,7 +106,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--prefill-seqs", type=int, default=None)
     ap.add_argument("--prompt-len", type=int, default=None)
-    ap.add_argument("--decode-width", type=int, default=None)
+    ap.add_argument("--decode-width", type=int, default=None, help="0: no decode profile")
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--dtype", default=None)
@@ -113,7 +115,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     a.prefill_seqs = a.prefill_seqs or (2 if a.smoke else 8)
     a.prompt_len = a.prompt_len or (64 if a.smoke else 2048)
-    a.decode_width = a.decode_width or (4 if a.smoke else 1280)
+    a.decode_width = (4 if a.smoke else 1280) if a.decode_width is None else a.decode_width
     a.dtype = a.dtype or ("float32" if a.smoke else "bfloat16")
     a.max_num_batched_tokens = max(a.max_num_batched_tokens, a.prefill_seqs * a.prompt_len)
     out = Path(a.out)
@@ -146,15 +148,26 @@ def main(argv=None) -> int:
     llm = LLM(**kw)
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     prompts = [{"prompt_token_ids": p} for p in make_prompts(a.prefill_seqs, a.prompt_len, seed=3)]
-    llm.generate(prompts, sp, use_tqdm=False)                              # warm-up
-    res = {"args": vars(a), "device": torch.cuda.get_device_name() if cuda else "cpu"}
+    from export import gla_triton
+    res = {"args": vars(a), "device": torch.cuda.get_device_name() if cuda else "cpu",
+           # where triton cannot run (CPU), both prefill rows are the torch path
+           "triton_runs_here": gla_triton.available(torch.empty(0, device="cuda" if cuda else "cpu"))}
 
-    prof, wall = profiled(lambda: llm.generate(prompts, sp, use_tqdm=False), cuda)
-    res["prefill"] = summarize(prof, wall, 1)
-    res["prefill"]["tokens"] = a.prefill_seqs * a.prompt_len
-    res["prefill"]["tok_per_s"] = a.prefill_seqs * a.prompt_len / wall
-    (out / "profile_prefill.txt").write_text(table(prof))
-    log(f"prefill {a.prefill_seqs} x {a.prompt_len}: {res['prefill']}")
+    # The mixer is an opaque op run eagerly on prefill steps and reads LAPLACE_VLLM_TRITON per call,
+    # so both prefill paths run in this one engine: a same-process ratio.
+    for path, switch in (("torch", "0"), ("triton", "1")):
+        os.environ["LAPLACE_VLLM_TRITON"] = switch
+        llm.generate(prompts, sp, use_tqdm=False)                          # this path's warm-up
+        prof, wall = profiled(lambda: llm.generate(prompts, sp, use_tqdm=False), cuda)
+        row = res[f"prefill_{path}"] = summarize(prof, wall, 1)
+        row.update(tokens=a.prefill_seqs * a.prompt_len, tok_per_s=a.prefill_seqs * a.prompt_len / wall)
+        (out / f"profile_prefill_{path}.txt").write_text(table(prof))
+        log(f"prefill ({path} path) {a.prefill_seqs} x {a.prompt_len}: {row}")
+    os.environ.pop("LAPLACE_VLLM_TRITON")
+    res["prefill_ratio_triton_vs_torch"] = res["prefill_triton"]["tok_per_s"] / res["prefill_torch"]["tok_per_s"]
+    (out / "profile.json").write_text(json.dumps(res, indent=2) + "\n")
+    if not a.decode_width:
+        return 0
 
     run, done = decode_steps(llm, a.decode_width, 16, a.decode_steps)
     prof, wall = profiled(run, cuda)
