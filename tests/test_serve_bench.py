@@ -127,3 +127,102 @@ def test_serve_bench_smoke(tmp_path):
     md = (out / "serve_bench.md").read_text()
     assert "| end-to-end output throughput |" in md and "tok/s" in md
     assert not (out / "smoke_model").exists()
+
+
+# ----------------------------------------------------------------------------- --peer llama --shapes
+
+def test_llama_peer_3b_size():
+    """The 3B peer: LlamaForCausalLM of Laplace's width/depth/GLU width/vocab, 24 MHA heads of 128,
+    3.03e9 parameters; its shapes are transformers' own (built on the meta device: nothing allocated)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from laplace_jax.spec import Arch
+
+    hf = serve_bench.llama_config(Arch(), "bfloat16", 8448, head_dim=128)
+    want = dict(architectures=["LlamaForCausalLM"], hidden_size=3072, num_hidden_layers=24,
+                num_attention_heads=24, num_key_value_heads=24, head_dim=128, intermediate_size=8192,
+                vocab_size=50304, tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=10000.0,
+                torch_dtype="bfloat16")
+    assert {k: hf[k] for k in want} == want and hf["max_position_embeddings"] >= 8448
+    shapes = serve_bench.llama_shapes(hf)
+    assert serve_bench.param_count(shapes) == pytest.approx(3.03e9, rel=0.01)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**hf))
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == shapes
+
+
+def test_parse_shapes():
+    S = serve_bench.Shape
+    assert serve_bench.parse_shapes("1280x2048x256, 256x8192x256") == [S(1280, 2048, 256), S(256, 8192, 256)]
+    assert str(S(1280, 2048, 256)) == "1280x2048x256"
+    for bad in ("1280x2048", "4x8x1", "ax2x3"):
+        with pytest.raises(Exception, match="REQUESTSxPROMPT_LENxNEW_TOKENS|new_tokens >= 2"):
+            serve_bench.parse_shapes(bad)
+
+
+@pytest.mark.parametrize("half", [True, False])
+def test_shape_measures(half):
+    """Decode from tA − tH over new − new//2 tokens, or (no H run) from tA − tB over new − 1."""
+    s = serve_bench.Shape(10, 100, 8)
+    t = {"A": 4.0, "H": 3.0, "B": 2.0} if half else {"A": 4.0, "B": 2.0}
+    m = {k: v for k, (v, _) in serve_bench.shape_measures(s, t, half).items()}
+    dt, tail = (1.0, 4) if half else (2.0, 7)
+    assert m == pytest.approx({"end-to-end output throughput": 80 / 4, "prefill throughput": 1000 / 2,
+                               "decode-phase output throughput": 10 * tail / dt, "decode step time": 1e3 * dt / tail})
+    assert set(serve_bench.shape_measures(s, {"A": 4.0}, half)) == {"end-to-end output throughput"}
+
+
+def test_comparison_ratio_rows(tmp_path):
+    """A ratio row comes as soon as both sides are in, whichever comes first; none for n/a values."""
+    rows = serve_bench.Rows(tmp_path)
+    s = serve_bench.Shape(2, 8, 4)
+    comp = serve_bench.Comparison(rows, "llama", [s])
+    comp.add("laplace", {"name": f"end-to-end output throughput, {s}", "value": 30.0, "unit": "tok/s"})
+    comp.add("laplace", {"name": f"decode-phase output throughput, {s}", "value": "n/a (tA <= tH)", "unit": ""})
+    comp.add("llama", {"name": f"decode-phase output throughput, {s}", "value": 9.0, "unit": "tok/s"})
+    comp.add("llama", {"name": f"end-to-end output throughput, {s}", "value": 20.0, "unit": "tok/s"})
+    got = [(r["name"], r["value"]) for r in rows.rows]
+    assert got[-1] == ("ratio laplace/llama end-to-end 2x8x4", 1.5)
+    assert [n for n, _ in got if n.startswith("ratio")] == ["ratio laplace/llama end-to-end 2x8x4"]
+    assert (tmp_path / "serve_rows.txt").read_text().splitlines()[0] == f"laplace: end-to-end output throughput, {s} | 30 | tok/s"
+
+
+@pytest.mark.slow
+def test_serve_bench_peer_smoke(tmp_path):
+    """--smoke --peer llama --shapes: both models, each in its own child process and vLLM engine, on
+    the same shapes; rows for both, the ratios = laplace/llama of those rows, the peer folder a tiny Llama."""
+    out, peer = tmp_path / "out", tmp_path / "peer"
+    shapes = [(2, 24, 8), (3, 40, 6)]
+    cmd = [sys.executable, str(BENCHMARKS / "serve_bench.py"), "--smoke", "--peer", "llama", "--out", str(out),
+           "--shapes", ",".join("x".join(map(str, s)) for s in shapes), "--peer-dir", str(peer)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_env(), cwd=ROOT)
+    assert p.returncode == 0, f"serve_bench failed (rc={p.returncode}):\n{p.stdout[-6000:]}\n{p.stderr[-4000:]}"
+    res = json.loads((out / "serve_bench.json").read_text())
+    rows = {r["name"]: r["value"] for r in res["rows"]}
+    measures = {"end-to-end output throughput": "end-to-end", "prefill throughput": "prefill",
+                "decode-phase output throughput": "decode"}
+    for n, length, new in shapes:
+        s = f"{n}x{length}x{new}"
+        for kind in ("laplace", "llama"):
+            assert rows[f"{kind}: output tokens, {s}"] == n * new, (kind, s)
+            for m in [*measures, "decode step time", "tA", "tH", "tB"]:
+                v = rows[f"{kind}: {m}, {s}"]
+                assert isinstance(v, (int, float)) and math.isfinite(v) and v > 0, (kind, m, s, v)
+        for m, short in measures.items():
+            ratio = rows[f"ratio laplace/llama {short} {s}"]
+            assert ratio == pytest.approx(rows[f"laplace: {m}, {s}"] / rows[f"llama: {m}, {s}"], rel=1e-12)
+    # the peer: vLLM's own Llama, of the tiny Laplace config's sizes
+    cfg = json.loads((peer / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["torch_dtype"] == "float32"
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"], cfg["vocab_size"]) \
+        == (128, 2, 256, 50304)
+    assert cfg["num_attention_heads"] * cfg["head_dim"] == 128 and not cfg["tie_word_embeddings"]
+    assert rows["llama: parameters"] == serve_bench.param_count(serve_bench.llama_shapes(cfg))
+    assert "laplace: state bytes per sequence (vLLM pool)" in rows      # the Laplace child ran the plugin
+    assert not (out / "laplace" / "smoke_model").exists()
+    # every row written as it came, and the side-by-side table
+    assert len((out / "serve_rows.txt").read_text().splitlines()) == len(res["rows"])
+    md = (out / "serve_bench.md").read_text()
+    assert "| shape | laplace e2e | llama e2e | ratio |" in md
+    assert all(f"| {n}x{length}x{new} |" in md for n, length, new in shapes)
