@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_check import exit_skipping_teardown, stop_engine  # noqa: E402
 from serve_bench import FOLDER_LEN, ensure_plugin_entry_point, laplace_folder, log, make_prompts  # noqa: E402
 
 # kernel-name fragments → kind, first match wins (cuBLAS/CUTLASS GEMMs, Inductor's and our Triton
@@ -168,6 +169,7 @@ def main(argv=None) -> int:
     res["prefill_ratio_triton_vs_torch"] = res["prefill_triton"]["tok_per_s"] / res["prefill_torch"]["tok_per_s"]
     (out / "profile.json").write_text(json.dumps(res, indent=2) + "\n")
     if not a.decode_width:
+        stop_engine(llm)
         return 0
 
     run, done = decode_steps(llm, a.decode_width, 16, a.decode_steps)
@@ -178,8 +180,9 @@ def main(argv=None) -> int:
     (out / "profile_decode.txt").write_text(table(prof))
     log(f"decode width {a.decode_width}: {res['decode']}")
     (out / "profile.json").write_text(json.dumps(res, indent=2) + "\n")
+    stop_engine(llm)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_skipping_teardown(main())
