@@ -7,27 +7,18 @@ conftest), so it is set around this module's imports and, for the calls, by a fi
 left in the environment, where the vLLM subprocesses of other tests would inherit it.  Triton is a
 test requirement: CI (`make install-test`, the serve extra) installs it, and `need` fails there
 (CI=true) rather than skipping."""
-import os
 import types
 
 import pytest
 
-from conftest import f32_sum_err, need  # noqa: E402
+from conftest import f32_sum_err, import_interpreted, need  # noqa: E402
 
 torch = need("torch")
 
-_saved = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    need("triton")
-    import torch.nn.functional as F  # noqa: E402
-    from export import conv_triton, gla_prefill_triton as gpt, gla_triton  # noqa: E402
-    from export.torch_model import conv_with_state  # noqa: E402
-finally:
-    if _saved is None:
-        os.environ.pop("TRITON_INTERPRET")
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
+conv_triton, gpt, gla_triton, mix_triton = import_interpreted(
+    "export.conv_triton", "export.gla_prefill_triton", "export.gla_triton", "export.mix_triton")
+import torch.nn.functional as F  # noqa: E402
+from export.torch_model import conv_with_state  # noqa: E402
 
 U32 = 2.0 ** -24
 
@@ -36,7 +27,8 @@ U32 = 2.0 ** -24
 def interpret(monkeypatch):
     from triton.runtime.interpreter import InterpretedFunction
     import triton.language.standard as std
-    kernels = (gpt._gla_prefill_kernel, conv_triton._conv_prefill_kernel, gla_triton._gla_decode_kernel, std.sum)
+    kernels = (gpt._gla_prefill_kernel, conv_triton._conv_prefill_kernel, gla_triton._gla_decode_kernel,
+               mix_triton._mix_post_kernel, std.sum)
     assert all(isinstance(k, InterpretedFunction) for k in kernels), \
         "triton or export's Triton kernels were imported before TRITON_INTERPRET=1 was set (conftest, this module)"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
