@@ -8,7 +8,8 @@ Each layer's token mixer is a `MambaBase` layer whose two float32 states — the
 On CUDA with triton, Triton kernels update both states in the pool in place: decode rows through
 export/gla_triton.py, and all prefill requests of a step as one packed call each of
 export/conv_triton.py (conv window + SiLU) and export/gla_prefill_triton.py (chunked GLA), with no
-grouping by length and no state gather / scatter.  The torch path (CPU installs without triton, or
+grouping by length and no state gather / scatter; on both, the post-GLA part (self-augmentation,
+head norm, gate, cast) is one kernel of export/mix_triton.py.  The torch path (CPU installs without triton, or
 LAPLACE_VLLM_TRITON=0) runs prefill requests of equal query length as one batch (chunked GLA with
 no loop over chunks) and the decode step in torch.
 A decode-only batch may be captured whole in a CUDA graph (the LINEAR backend allows uniform
@@ -35,7 +36,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from export.torch_model import LaplaceMixerWeights, _Norm, check_state_dict, layer_norm
 from laplace_jax.spec import Arch
 
-from export import conv_triton, gla_prefill_triton, gla_triton
+from export import conv_triton, gla_prefill_triton, gla_triton, mix_triton
 
 _gla_triton = gla_triton if gla_triton.triton is not None else None   # None: no triton (CPU installs)
 
@@ -140,7 +141,7 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
             q, k, v, g, window = self.step_in(xn, torch.where(keep.view(-1, 1, 1), conv_pool[sl], 0.0))
             o = _gla_triton.gla_decode_inplace(gla_pool, sl, keep, q, k, v, self.gamma)
             conv_pool[sl] = window.to(conv_pool.dtype)
-            return self.step_out(q, k, v, g, o, xn.dtype)
+            return self._step_out_fused(q, k, v, g, o, xn.dtype)
         cs = torch.where(keep.view(-1, 1, 1), conv_pool[sl], 0.0)
         gs = torch.where(keep.view(-1, 1, 1, 1), gla_pool[sl], 0.0)
         o, cs, gs = self.forward_step(xn, cs, gs)
@@ -157,9 +158,14 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
         q, k, v, g = self.heads(self.w_qkvg(u))
         # the kernel reads q, k, v straight from the projection (strided views, x's dtype)
         o = gla_prefill_triton.gla_prefill_inplace(gla_pool, sl, keep, q, k, v, self.gamma, cu)
-        # mixer_post in float32 as the torch path: q, k, v promote exactly inside its products;
-        # the gate's SiLU must see float32
-        return self.step_out(q, k, v, g.float(), o, x.dtype)
+        return self._step_out_fused(q, k, v, g, o, x.dtype)
+
+    def _step_out_fused(self, q, k, v, g, o, dtype):
+        """`step_out` with mixer_post as one Triton kernel (export/mix_triton.py): the same float32
+        math (q, k, v, g of any dtype upcast inside it), y [N, H·V] written in `dtype`, then w_out.
+        q, k [N, H, K], v, g [N, H, V] (views of the projection), o [N, H, V] float32."""
+        y = mix_triton.mixer_post_fused(q, k, v, g, o, self.aug_balance, self.head_norm, self.eps, dtype)
+        return self.w_out(y)
 
     def _prefill(self, xn, output, conv_pool, gla_pool, slots, has_ctx, groups):
         """Prefill requests of equal query length run as one batch: states gathered from the pool

@@ -54,6 +54,22 @@ def need(module: str):
     return pytest.importorskip(module)
 
 
+def import_interpreted(*modules: str) -> list:
+    """Import `modules` (and triton, through `need`) with TRITON_INTERPRET=1, so that their
+    @triton.jit kernels are decorated for the CPU interpreter, then restore the variable (vLLM
+    subprocesses of other tests must not inherit it).  Returns the modules, in order."""
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        need("triton")
+        return [importlib.import_module(m) for m in modules]
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
 @contextlib.contextmanager
 def count_compiles() -> Iterator[collections.Counter[str]]:
     """XLA compilations inside the block, by function (`jit(prefill)`): jax.monitoring's backend

@@ -7,27 +7,18 @@ conftest), so it is set around this module's imports and, for the calls, by a fi
 left in the environment, where the vLLM subprocesses of other tests would inherit it.  Triton is a
 test requirement: CI (`make install-test`, the serve extra) installs it, and `need` fails there
 (CI=true) rather than skipping."""
-import os
 import types
 
 import pytest
 
-from conftest import f32_sum_err, need  # noqa: E402
+from conftest import f32_sum_err, import_interpreted, need  # noqa: E402
 
 torch = need("torch")
 
-_saved = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    need("triton")
-    import torch.nn.functional as F  # noqa: E402
-    from export import conv_triton, gla_prefill_triton as gpt, gla_triton  # noqa: E402
-    from export.torch_model import conv_with_state  # noqa: E402
-finally:
-    if _saved is None:
-        os.environ.pop("TRITON_INTERPRET")
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
+conv_triton, gpt, gla_triton, mix_triton = import_interpreted(
+    "export.conv_triton", "export.gla_prefill_triton", "export.gla_triton", "export.mix_triton")
+import torch.nn.functional as F  # noqa: E402
+from export.torch_model import conv_with_state  # noqa: E402
 
 U32 = 2.0 ** -24
 
@@ -36,7 +27,8 @@ U32 = 2.0 ** -24
 def interpret(monkeypatch):
     from triton.runtime.interpreter import InterpretedFunction
     import triton.language.standard as std
-    kernels = (gpt._gla_prefill_kernel, conv_triton._conv_prefill_kernel, gla_triton._gla_decode_kernel, std.sum)
+    kernels = (gpt._gla_prefill_kernel, conv_triton._conv_prefill_kernel, gla_triton._gla_decode_kernel,
+               mix_triton._mix_post_kernel, std.sum)
     assert all(isinstance(k, InterpretedFunction) for k in kernels), \
         "triton or export's Triton kernels were imported before TRITON_INTERPRET=1 was set (conftest, this module)"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -177,8 +169,8 @@ def _run(m, raw, md, xn, rows, triton_on, monkeypatch):
 def test_vllm_mixer_triton_prefill_equals_torch_path(mixer, monkeypatch):
     """A mixed step: 2 decode rows, then prefill requests of 1, 3, 17, 40 and 5 tokens (new and
     continued ones; pages of new sequences hold NaN), 4 padding rows.  The Triton paths (decode
-    kernel; packed conv + GLA prefill, interpreter) against the torch paths: outputs and GLA states
-    within float32 rounding, conv windows equal."""
+    kernel; packed conv + GLA prefill; the fused mixer_post after each, interpreter) against the
+    torch paths: outputs and GLA states within float32 rounding, conv windows equal."""
     m = mixer
     C, D, H, K, V = m.cfg.conv_kernel, m.cfg.d_model, m.H, m.K, m.V
     g = torch.Generator().manual_seed(8)
@@ -193,18 +185,23 @@ def test_vllm_mixer_triton_prefill_equals_torch_path(mixer, monkeypatch):
     xn = torch.randn(n + 4, D, generator=g)
     raw_t = raw.clone()
     calls = []
-    for mod, name in ((gpt, "gla_prefill_inplace"), (conv_triton, "conv_prefill_inplace")):
+    for mod, name in ((gpt, "gla_prefill_inplace"), (conv_triton, "conv_prefill_inplace"),
+                      (mix_triton, "mixer_post_fused")):
         f = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, f=f, name=name, **kw: calls.append(name) or f(*a, **kw))
     got = _run(m, raw_t, md, xn, n + 4, True, monkeypatch)
-    assert calls == ["conv_prefill_inplace", "gla_prefill_inplace"]       # one packed call each
+    # decode: the fused post; prefill: one packed call each, then the fused post
+    assert calls == ["mixer_post_fused", "conv_prefill_inplace", "gla_prefill_inplace", "mixer_post_fused"]
     want = _run(m, raw, md, xn, n + 4, False, monkeypatch)
-    assert len(calls) == 2                                                 # the torch path: none
+    assert len(calls) == 4                                                 # the torch path: none
 
     assert torch.equal(got[n:], want[n:]) and not got[n:].any()
     # o: each path within tolerance('ieee') of the exact GLA; mixer_post's head RMSNorm keeps a
-    # relative error; w_out adds a D-term float32 sum (λ·D·u for random signs, each path)
-    tol = 2 * 2 * gpt.tolerance("ieee", gpt.CHUNK, K) + 2 * 6 * D * U32
+    # relative error; mixer_post itself (torch ops or the fused kernel) adds its own float32
+    # rounding, relative (λ√V/2 + ~20)u per mix_triton.error_bound, twice; w_out adds a D-term
+    # float32 sum (λ·D·u for random signs, each path)
+    post = 2 * 2 * (6 * V ** 0.5 / 2 + 20) * U32
+    tol = 2 * 2 * gpt.tolerance("ieee", gpt.CHUNK, K) + post + 2 * 6 * D * U32
     starts = md.query_start_loc.tolist()
     for r, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
         assert torch.isfinite(got[a:b]).all(), r

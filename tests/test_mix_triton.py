@@ -1,0 +1,68 @@
+"""The fused mixer_post kernel (export/mix_triton.py) under Triton's CPU interpreter against
+`torch_model.mixer_post` in float64, within `mix_triton.error_bound` (derived from the float32
+arithmetic, plus one ulp of a 16-bit output).  The vLLM mixer's paths that use it are compared with
+the torch paths in tests/test_gla_prefill_triton.py.
+
+TRITON_INTERPRET=1 is set around this module's imports (conftest.import_interpreted: kernels are
+decorated then) and, for the calls, by a fixture; it is not left in the environment."""
+import pytest
+
+from conftest import import_interpreted, need  # noqa: E402
+
+torch = need("torch")
+
+(mix_triton,) = import_interpreted("export.mix_triton")
+
+
+@pytest.fixture(autouse=True)
+def interpret(monkeypatch):
+    from triton.runtime.interpreter import InterpretedFunction
+    assert isinstance(mix_triton._mix_post_kernel, InterpretedFunction), \
+        "export.mix_triton was imported before TRITON_INTERPRET=1 was set (conftest, this module)"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["in_bf16", "in_f32"])
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=["out_bf16", "out_f32"])
+@pytest.mark.parametrize("N", [1, 9, 33])
+def test_3b_heads(N, dtype, out_dtype):
+    """H=16, K=96 (padded to 128), V=192 (to 256), T=4 tiers: N around the token block (8)."""
+    assert mix_triton.mix_error(N, 16, 96, 192, 4, dtype, out_dtype, "cpu") <= 1.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["in_bf16", "in_f32"])
+@pytest.mark.parametrize("N", [1, 7, 17])
+def test_small_odd_heads(N, dtype):
+    """H=4, K=24, V=40, T=2 tiers (two heads a tier), bf16 and float32 out."""
+    for out_dtype in DTYPES:
+        assert mix_triton.mix_error(N, 4, 24, 40, 2, dtype, out_dtype, "cpu") <= 1.0
+
+
+def test_tiers_and_heads_are_not_mixed_up():
+    """Head h must use aug_balance[h] and head_norm[h // (H/T)]: with one tier's weight scaled,
+    only its heads' outputs scale (the same float32 ops on the same inputs but one factor: within
+    a few ulps), and a changed aug_balance row changes only its head."""
+    H, K, V, T = 6, 8, 12, 3
+    q, k, v, g, o, a, w, eps = mix_triton.random_inputs(5, H, K, V, T, torch.float32, "cpu", seed=2)
+    y = mix_triton.mixer_post_fused(q, k, v, g, o, a, w, eps, torch.float32).view(5, H, V)
+    w2 = w.clone()
+    w2[1] *= 2.0                                   # tier 1 = heads 2, 3
+    y2 = mix_triton.mixer_post_fused(q, k, v, g, o, a, w2, eps, torch.float32).view(5, H, V)
+    assert torch.equal(y2[:, [0, 1, 4, 5]], y[:, [0, 1, 4, 5]])
+    assert torch.equal(y2[:, 2:4], 2.0 * y[:, 2:4])                    # ×2 is exact in float32
+    a2 = a.clone()
+    a2[4] += 1.0
+    y3 = mix_triton.mixer_post_fused(q, k, v, g, o, a2, w, eps, torch.float32).view(5, H, V)
+    assert torch.equal(y3[:, [0, 1, 2, 3, 5]], y[:, [0, 1, 2, 3, 5]]) and not torch.equal(y3[:, 4], y[:, 4])
+
+
+def test_empty_and_output_layout():
+    """N=0 launches nothing; y is [N, H·V] contiguous in out_dtype."""
+    args = mix_triton.random_inputs(0, 4, 24, 40, 2, torch.bfloat16, "cpu", seed=1)
+    assert mix_triton.mixer_post_fused(*args, torch.bfloat16).shape == (0, 160)
+    args = mix_triton.random_inputs(3, 4, 24, 40, 2, torch.bfloat16, "cpu", seed=1)
+    y = mix_triton.mixer_post_fused(*args, torch.bfloat16)
+    assert y.shape == (3, 160) and y.dtype == torch.bfloat16 and y.is_contiguous()
