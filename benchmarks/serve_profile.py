@@ -10,7 +10,9 @@ kernel the model launches, the ones replayed from CUDA graphs included.  Same ra
 same engine, on the torch path (LAPLACE_VLLM_TRITON=0) and on the packed Triton path (where triton
 runs: CUDA).  Writes DIR/profile_prefill_{torch,triton}.txt and DIR/profile_decode.txt (the top ops
 by self device time) and DIR/profile.json: per phase the wall time of the profiled region and the
-device time split by kernel kind (GEMM, Triton, copies, ...).  --decode-width 0 skips decode.
+device time split by kernel kind (GEMM, Triton, copies, ...), and first `path_agreement`: the
+Triton decode and prefill paths against the torch prefill on the same tokens' log-probabilities.
+--decode-width 0 skips the decode profile.
 """
 import argparse
 import json
@@ -101,6 +103,38 @@ def decode_steps(llm, width: int, prompt_len: int, steps: int):
     return run, lambda: eng.abort_request(ids)
 
 
+def path_agreement(llm, n: int = 4, prompt_len: int = 256, new: int = 32) -> dict:
+    """The Triton paths against the torch prefill path, in this engine, on the log-probability of
+    the same tokens: `new` greedy tokens generated on the default (Triton) decode path, CUDA graphs
+    included, with their log-probabilities; then prompt+generated scored teacher-forced by the torch
+    prefill (LAPLACE_VLLM_TRITON=0) and by the Triton prefill.  Returns |Δ log p| statistics (decode
+    vs torch prefill, Triton prefill vs torch prefill) beside the spread of log p itself: a wrong
+    kernel moves log p by about that spread, rounding (bf16) by far less."""
+    import numpy as np
+    from vllm import SamplingParams
+
+    prompts = make_prompts(n, prompt_len, seed=7)
+    gen = SamplingParams(temperature=0.0, max_tokens=new, logprobs=0, ignore_eos=True, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], gen, use_tqdm=False)
+    seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+    dec = np.array([[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs])
+    score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+
+    def scored(switch: str) -> np.ndarray:
+        os.environ["LAPLACE_VLLM_TRITON"] = switch
+        res = llm.generate([{"prompt_token_ids": s} for s in seqs], score, use_tqdm=False)
+        return np.array([[o.prompt_logprobs[t][s[t]].logprob for t in range(len(s) - new, len(s))]
+                         for o, s in zip(res, seqs)])
+    torch_pf, triton_pf = scored("0"), scored("1")
+    os.environ.pop("LAPLACE_VLLM_TRITON")
+
+    def stats(d: np.ndarray) -> dict:
+        return {"max": float(d.max()), "p99": float(np.quantile(d, 0.99)), "mean": float(d.mean())}
+    return {"tokens": int(dec.size), "std_logprob": float(torch_pf.std()),
+            "decode_vs_torch_prefill": stats(np.abs(dec - torch_pf)),
+            "triton_prefill_vs_torch_prefill": stats(np.abs(triton_pf - torch_pf))}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -135,7 +169,7 @@ def main(argv=None) -> int:
 
     cuda = torch.cuda.is_available() and not a.smoke
     cfg = load_config("laplace_tiny").model if a.smoke else Arch()
-    max_len = a.prompt_len + 64 + a.decode_steps
+    max_len = max(a.prompt_len, 256 + 32) + 64 + a.decode_steps     # path_agreement: 256 + 32 tokens
     import tempfile
     ensure_plugin_entry_point(Path(tempfile.mkdtemp(prefix="serve_profile_")))
     # the serve benchmark's folder (same length limit, so either script reuses the other's)
@@ -155,6 +189,8 @@ def main(argv=None) -> int:
            # where triton cannot run (CPU), both prefill rows are the torch path
            "triton_runs_here": gla_triton.available(torch.empty(0, device="cuda" if cuda else "cpu"))}
 
+    res["path_agreement"] = path_agreement(llm)
+    log(f"paths: {res['path_agreement']}")
     # The mixer is an opaque op run eagerly on prefill steps and reads LAPLACE_VLLM_TRITON per call,
     # so both prefill paths run in this one engine: a same-process ratio.
     for path, switch in (("torch", "0"), ("triton", "1")):
