@@ -5,12 +5,11 @@ Each layer's token mixer is a `MambaBase` layer whose two float32 states — the
 `MambaAttentionBackendEnum.LINEAR`).  The mixer runs as one opaque custom op
 (`torch.ops.vllm.laplace_mixer`) so the rest of the model can go through torch.compile.
 
-On CUDA with triton, Triton kernels update both states in the pool in place, with no grouping by
-length and no state gather / scatter: the conv window + SiLU of all rows of a step (decode rows as
-requests of one token) through export/conv_triton.py, the GLA of decode rows through
-export/gla_triton.py and of all prefill requests as one packed call of export/gla_prefill_triton.py
-(chunked), then the post-GLA part (self-augmentation, head norm, gate, cast) as one kernel of
-export/mix_triton.py.  The torch path (CPU installs without triton, or
+On CUDA with triton, Triton kernels update the states in the pool in place, with no grouping by
+length: the GLA of decode rows through export/gla_triton.py; all prefill requests of a step as one
+packed call each of export/conv_triton.py (conv window + SiLU) and export/gla_prefill_triton.py
+(chunked GLA), with no state gather / scatter; on both, the post-GLA part (self-augmentation, head
+norm, gate, cast) as one kernel of export/mix_triton.py.  The torch path (CPU installs without triton, or
 LAPLACE_VLLM_TRITON=0) runs prefill requests of equal query length as one batch (chunked GLA with
 no loop over chunks) and the decode step in torch.
 A decode-only batch may be captured whole in a CUDA graph (the LINEAR backend allows uniform
@@ -138,11 +137,12 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
     def _decode(self, xn, conv_pool, gla_pool, sl, keep):
         """One token per row: conv window and GLA state read from / written to the pool at slots sl."""
         if _gla_triton is not None and _gla_triton.available(xn):
-            # rows are requests of one token: the packed conv updates each window in place, the
-            # GLA step runs in place on the pool (no gather / scatter, no float32 copies of q, k, v)
-            cu = torch.arange(xn.shape[0] + 1, device=xn.device)
-            q, k, v, g = self._conv_qkvg(xn, conv_pool, sl, keep, cu)
+            # forward_step with the GLA step done in place on the pool.  Not the packed conv kernel
+            # with one-token requests: its 64-token tiles made it 16.8 ms a step at width 1,280 on
+            # an H200 (BENCHMARKS run S6), against ~4 ms for this window gather / scatter.
+            q, k, v, g, window = self.step_in(xn, torch.where(keep.view(-1, 1, 1), conv_pool[sl], 0.0))
             o = _gla_triton.gla_decode_inplace(gla_pool, sl, keep, q, k, v, self.gamma)
+            conv_pool[sl] = window.to(conv_pool.dtype)
             return self._step_out_fused(q, k, v, g, o, xn.dtype)
         cs = torch.where(keep.view(-1, 1, 1), conv_pool[sl], 0.0)
         gs = torch.where(keep.view(-1, 1, 1, 1), gla_pool[sl], 0.0)
@@ -156,16 +156,11 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
 
         x [T, D]: their tokens back to back, request r's at cu[r]:cu[r+1]; sl [R] slots; keep [R]
         (False: a new sequence, zero states).  Returns the mixer output [T, D] in x's dtype."""
-        q, k, v, g = self._conv_qkvg(x, conv_pool, sl, keep, cu)
+        u = conv_triton.conv_prefill_inplace(conv_pool, sl, keep, x, self.conv.weight, self.conv.bias, cu)
+        q, k, v, g = self.heads(self.w_qkvg(u))
+        # the kernel reads q, k, v straight from the projection (strided views, x's dtype)
         o = gla_prefill_triton.gla_prefill_inplace(gla_pool, sl, keep, q, k, v, self.gamma, cu)
         return self._step_out_fused(q, k, v, g, o, x.dtype)
-
-    def _conv_qkvg(self, x, conv_pool, sl, keep, cu):
-        """The packed conv (+ SiLU; windows read and written in the pool) and the projection.
-        x [T, D], cu [R + 1] as in `_prefill_packed`.  Returns q, k [T, H, K], v, g [T, H, V]:
-        strided views of the projection in x's dtype, which the Triton kernels read as they are."""
-        u = conv_triton.conv_prefill_inplace(conv_pool, sl, keep, x, self.conv.weight, self.conv.bias, cu)
-        return self.heads(self.w_qkvg(u))
 
     def _step_out_fused(self, q, k, v, g, o, dtype):
         """`step_out` with mixer_post as one Triton kernel (export/mix_triton.py): the same float32

@@ -66,3 +66,22 @@ def test_empty_and_output_layout():
     args = mix_triton.random_inputs(3, 4, 24, 40, 2, torch.bfloat16, "cpu", seed=1)
     y = mix_triton.mixer_post_fused(*args, torch.bfloat16)
     assert y.shape == (3, 160) and y.dtype == torch.bfloat16 and y.is_contiguous()
+
+
+def test_exact_zeros_pass_and_wrong_values_fail():
+    """Where g = 0 the output is 0 exactly and its bound is 0 (seen on an H200: 6 bf16 draws of
+    randn in 5e7 are 0, and 0/0 made the check fail with NaN): an exact 0 passes, anything else
+    there fails; a wrong value elsewhere fails too."""
+    args = list(mix_triton.random_inputs(9, 4, 24, 40, 2, torch.bfloat16, "cpu", seed=3))
+    args[3] = args[3].clone()
+    args[3][2, 1, :7] = 0.0                                         # g
+    args = tuple(args)
+    y = mix_triton.mixer_post_fused(*args, torch.float32)
+    assert (y.view(9, 4, 40)[2, 1, :7] == 0).all()
+    assert mix_triton.error_ratio(y, args, torch.float32) <= 1.0
+    bad = y.clone()
+    bad.view(9, 4, 40)[2, 1, 3] = 1e-30
+    assert mix_triton.error_ratio(bad, args, torch.float32) == float("inf")
+    bad = y.clone()
+    bad[5, 17] *= 1.001
+    assert mix_triton.error_ratio(bad, args, torch.float32) > 1.0
