@@ -28,7 +28,7 @@ from serve_bench import FOLDER_LEN, ensure_plugin_entry_point, laplace_folder, l
 # kernel-name fragments → kind, first match wins (cuBLAS/CUTLASS GEMMs, Inductor's and our Triton
 # kernels, copies and gathers, the rest of aten's element-wise and reduction kernels)
 KINDS = (("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas")),
-         ("triton: ours (GLA, conv)", ("_gla_", "_conv_")),
+         ("triton: ours (GLA, conv, mix)", ("_gla_", "_conv_", "_mix_")),
          ("triton: inductor", ("triton_",)),
          ("copy / gather / scatter", ("copy", "index", "gather", "scatter", "cat", "Cat", "memcpy", "Memcpy",
                                       "memset", "Memset", "fill")),
