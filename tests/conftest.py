@@ -1,27 +1,26 @@
 """Test-wide setup: 8 emulated CPU devices (set before jax is imported anywhere)."""
+import contextlib
 import dataclasses
 import os
+from typing import Iterator
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 
-
-def _import_triton_for_its_interpreter() -> None:
-    """Import triton, where installed, with TRITON_INTERPRET=1, then take the variable out again.
+@contextlib.contextmanager
+def triton_interpreting() -> Iterator[None]:
+    """TRITON_INTERPRET=1 inside the block, its previous value (or none) after it.
 
     Triton decides when a @triton.jit function is decorated whether it runs compiled or in the CPU
-    interpreter; its own library's (tl.sum, ...) are decorated at `import triton`, which
-    torch._dynamo does early in this suite.  Imported here, export's kernels can run in the
-    interpreter in this process (tests/test_gla_prefill_triton.py), while the vLLM subprocesses of
-    other tests inherit no TRITON_INTERPRET.  The suite runs no compiled Triton kernel."""
+    interpreter, so kernels imported inside the block run in the interpreter in this process; the
+    vLLM subprocesses of other tests must not inherit the variable.  The suite runs no compiled
+    Triton kernel."""
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        import triton.language  # noqa: F401
-    except ImportError:
-        pass
+        yield
     finally:
         if saved is None:
             os.environ.pop("TRITON_INTERPRET")
@@ -29,15 +28,16 @@ def _import_triton_for_its_interpreter() -> None:
             os.environ["TRITON_INTERPRET"] = saved
 
 
-_import_triton_for_its_interpreter()
+# triton's own library (tl.sum, ...) is decorated at `import triton`, which torch._dynamo does early
+# in this suite: import it here, interpreted, where it is installed
+with triton_interpreting(), contextlib.suppress(ImportError):
+    import triton.language  # noqa: F401
 
 import collections  # noqa: E402
-import contextlib  # noqa: E402
 import importlib  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -58,16 +58,9 @@ def import_interpreted(*modules: str) -> list:
     """Import `modules` (and triton, through `need`) with TRITON_INTERPRET=1, so that their
     @triton.jit kernels are decorated for the CPU interpreter, then restore the variable (vLLM
     subprocesses of other tests must not inherit it).  Returns the modules, in order."""
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
+    with triton_interpreting():
         need("triton")
         return [importlib.import_module(m) for m in modules]
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
 
 
 @contextlib.contextmanager
