@@ -34,7 +34,8 @@ from typing import Optional
 
 import torch
 
-from export.gla_triton import available, enabled, triton, tl  # noqa: F401  (one switch for all)
+# available / enabled: one switch for all Triton paths
+from export.gla_triton import _rowmajor, available, check_gamma, enabled, triton, tl  # noqa: F401
 
 # H200, K=96 (padded to 128), V=192: BV=64 gives R*H*3 programs (384 for 8 requests, ~3 per SM of
 # 132) with a [128, 64] float32 state (64 registers a thread at 4 warps) next to the [64, 64] score
@@ -116,10 +117,6 @@ if triton is not None:
             s = tl.exp(g * n) * s + _mm(tl.trans(k.to(tl.float32) * kdec[:, None]), v, MODE, EMULATE)
 
         tl.store(s_ptrs, s, mask=s_mask)
-
-
-def _rowmajor(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _modes(dtype: torch.dtype, precision: Optional[str]) -> tuple:
@@ -280,8 +277,7 @@ def prefill_errors(device: str = "cuda", lengths=(1, 63, 64, 65, 200, 2048, 17, 
     proj = torch.randn(T, H * (2 * K + 2 * V), generator=g).to(device=device, dtype=dtype)
     q, k, v, _ = torch.split(proj, [H * K, H * K, H * V, H * V], dim=-1)
     q, k, v = q.unflatten(1, (H, K)), k.unflatten(1, (H, K)), v.unflatten(1, (H, V))
-    # slow and fast heads: λ from 0.5 to ~0.9988 (the 3B model's range)
-    gamma = torch.tensor([-0.69 / (1 + 37 * i) for i in range(H)], dtype=torch.float32, device=device)
+    gamma = check_gamma(H, device)
     state0 = torch.where(keep.view(-1, 1, 1, 1), pool[slots], 0.0)
     want_o, want_s = gla_reference(q, k, v, gamma, state0, cu)
 
@@ -342,7 +338,7 @@ def bench_prefill_kernel(device: str = "cuda", requests: int = 8, length: int = 
     proj = torch.randn(T, H * (2 * K + 2 * V), generator=g).to(device=device, dtype=torch.bfloat16)
     q, k, v, _ = torch.split(proj, [H * K, H * K, H * V, H * V], dim=-1)
     q, k, v = q.unflatten(1, (H, K)), k.unflatten(1, (H, K)), v.unflatten(1, (H, V))
-    gamma = torch.tensor([-0.69 / (1 + 37 * i) for i in range(H)], dtype=torch.float32, device=device)
+    gamma = check_gamma(H, device)
     q32, k32, v32 = (x.float().view(requests, length, H, -1) for x in (q, k, v))
 
     def torch_path():

@@ -74,6 +74,12 @@ def _rowmajor(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def check_gamma(H: int, device) -> torch.Tensor:
+    """ln λ [H] float32 for the kernels' checks and benches: fast and slow heads, λ from 0.5 to
+    ~0.9988 (the 3B model's range)."""
+    return torch.tensor([-0.69 / (1 + 37 * i) for i in range(H)], dtype=torch.float32, device=device)
+
+
 def gla_decode_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor, q: torch.Tensor,
                        k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
     """pool [num_slots, H, K, V] float32 (any strides, updated in place); slots [B] integer (valid
@@ -128,7 +134,7 @@ def check_decode_kernel(device: str = "cuda", H: int = 16, K: int = 96, V: int =
     proj = torch.randn(B, H * (2 * K + 2 * V), generator=g).to(device)
     q, k, v, _ = torch.split(proj, [H * K, H * K, H * V, H * V], dim=-1)
     q, k, v = q.reshape(B, H, K), k.reshape(B, H, K), v.reshape(B, H, V)
-    gamma = torch.tensor([-0.69 / (1 + 37 * i) for i in range(H)], dtype=torch.float32).to(device)
+    gamma = check_gamma(H, device)
 
     st = torch.where(keep[:rows].view(-1, 1, 1, 1), before[slots[:rows]], 0.0)
     want_o, want_s = gla_step(q[:rows], k[:rows], v[:rows], gamma, st)

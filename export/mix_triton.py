@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from export.gla_prefill_triton import _fresh_seed, _time_ms
-from export.gla_triton import available, enabled, triton, tl  # noqa: F401  (one switch for all)
+from export.gla_triton import _rowmajor, available, enabled, triton, tl  # noqa: F401  (one switch for all)
 
 # 8 tokens × 256 (padded V) float32 per tile: 16 values a thread and tensor at 4 warps; N=16384,
 # H=16 gives 32768 programs, N=1280 2560 (~20 per SM of 132).  bench_mix_kernel tries others.
@@ -68,10 +68,6 @@ if triton is not None:
         g = tl.load(g_ptr + rows[:, None] * sg_t + h * sg_h + rv[None, :], mask=mtv, other=0.0).to(tl.float32)
         o = o * (g * tl.sigmoid(g))
         tl.store(y_ptr + rows[:, None] * sy_t + h * V + rv[None, :], o.to(y_ptr.dtype.element_ty), mask=mtv)
-
-
-def _rowmajor(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def mixer_post_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, o: torch.Tensor,
