@@ -14,6 +14,9 @@ and writes W' to pool[slots[r]].
 One program per (request, block of BD channels) walks the request's tokens in blocks of BT, so the
 old window is read (by the first block and, for requests shorter than C, by the new window) before
 the same program overwrites it; a barrier orders those reads before the write across its threads.
+
+`conv_decode_inplace` is the same kernel for a decode step (one token per row) with one-token
+tiles: the prefill's 64-token tiles would be 63/64 masked rows there.
 """
 import torch
 
@@ -24,6 +27,10 @@ from export.gla_triton import triton, tl
 BLOCK_D = 64
 BLOCK_T = 64
 NUM_WARPS = 4
+# decode: one token per row.  Run as one-token requests with the prefill tiles, the conv took
+# 16.8 ms a step at width 1,280 on an H200 (BENCHMARKS run S6); a [1, 512] tile moves the same bytes
+# with 1/64 of the masked work.
+DECODE_BLOCK_D = 512
 
 if triton is not None:
     @triton.jit
@@ -74,7 +81,7 @@ if triton is not None:
 
 def conv_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor, x: torch.Tensor,
                          weight: torch.Tensor, bias: torch.Tensor, cu_seqlens: torch.Tensor,
-                         silu: bool = True) -> torch.Tensor:
+                         silu: bool = True, block_t: int = BLOCK_T, block_d: int = BLOCK_D) -> torch.Tensor:
     """Causal depthwise conv over the packed prefill tokens of R requests, continuing from and
     writing back their windows in the pool.
 
@@ -82,7 +89,8 @@ def conv_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Te
     integer (distinct for real requests); keep [R] bool (False: start from a zero window);
     x [T, D] (last-dim stride 1); weight [D, 1, C] (Conv1d layout); bias [D]; cu_seqlens [R + 1]
     integer, nondecreasing, cu_seqlens[R] <= T.  Returns SiLU(u) (u if not silu) [T, D] in x's
-    dtype (rows outside every request are left uninitialised)."""
+    dtype (rows outside every request are left uninitialised).  block_t, block_d: the tile
+    (powers of 2)."""
     if triton is None:
         raise RuntimeError("export.conv_triton: triton is not installed")
     T, D = x.shape
@@ -96,10 +104,66 @@ def conv_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Te
     if R == 0 or T == 0:
         return u
     x = x if x.stride(-1) == 1 else x.contiguous()
-    grid = (R, triton.cdiv(D, BLOCK_D))
+    block_d = min(block_d, triton.next_power_of_2(D))
+    grid = (R, triton.cdiv(D, block_d))
     _conv_prefill_kernel[grid](
         x, u, pool, slots.contiguous(), keep.to(torch.int8).contiguous(), cu_seqlens.contiguous(),
         weight, bias, x.stride(0), u.stride(0), pool.stride(0), pool.stride(1), pool.stride(2),
         weight.stride(0), weight.stride(-1),
-        D=D, C=C, BC=triton.next_power_of_2(C), BD=BLOCK_D, BT=BLOCK_T, SILU=silu, num_warps=NUM_WARPS)
+        D=D, C=C, BC=triton.next_power_of_2(C), BD=block_d, BT=block_t, SILU=silu, num_warps=NUM_WARPS)
     return u
+
+
+def conv_decode_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor, x: torch.Tensor,
+                        weight: torch.Tensor, bias: torch.Tensor, silu: bool = True) -> torch.Tensor:
+    """One decode step: row b of x [B, D] is the next input of the sequence whose window is
+    pool[slots[b]] (zeros where keep[b] is False).  Returns SiLU(u) [B, D] in x's dtype; the
+    windows are updated in place.  Padding rows may share the null slot 0 (their writes race
+    there, harmlessly, as in gla_triton)."""
+    cu = torch.arange(x.shape[0] + 1, device=x.device, dtype=torch.int32)
+    return conv_prefill_inplace(pool, slots, keep, x, weight, bias, cu, silu, block_t=1, block_d=DECODE_BLOCK_D)
+
+
+def bench_conv_kernel(prefill_tokens: int = 16384, width: int = 1280, D: int = 3072, C: int = 4,
+                      tiles=((64, 64), (32, 128), (16, 256), (64, 128), (32, 64))) -> dict:
+    """CUDA, bf16, the 3B width.  Prefill: `conv_prefill_inplace` on 8 requests of
+    prefill_tokens / 8 tokens per tile (block_t, block_d), and its HBM traffic (x read, u written)
+    in TB/s.  Decode at `width` rows: the torch step's window gather / where / cat / scatter (as
+    torch_model's step_in, with the pool) against `conv_decode_inplace`."""
+    from export.gla_prefill_triton import _time_ms
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    w = torch.randn(D, 1, C, generator=g).to("cuda", torch.bfloat16)
+    b = torch.randn(D, generator=g).to("cuda", torch.bfloat16)
+    pool = torch.zeros(width + 8, C, D, device="cuda")
+    out = {}
+    R = 8
+    slots = torch.arange(1, R + 1, device="cuda")
+    keep = torch.ones(R, dtype=torch.bool, device="cuda")
+    cu = torch.arange(0, prefill_tokens + 1, prefill_tokens // R, device="cuda", dtype=torch.int32)
+    x = torch.randn(prefill_tokens, D, generator=g).to("cuda", torch.bfloat16)
+    gb = 2 * x.numel() * x.element_size() / 1e9
+    for bt, bd in tiles:
+        ms = _time_ms(lambda: conv_prefill_inplace(pool, slots, keep, x, w, b, cu, block_t=bt, block_d=bd))
+        out[f"prefill {prefill_tokens} tokens BT={bt} BD={bd}"] = (ms, gb / ms)
+    slots = (torch.randperm(width + 7, generator=g)[:width] + 1).cuda()
+    keep = torch.ones(width, dtype=torch.bool, device="cuda")
+    xd = x[:width]
+
+    def torch_step():
+        cs = torch.where(keep.view(-1, 1, 1), pool[slots], 0.0)
+        window = torch.cat([cs[:, 1:].to(xd.dtype), xd.unsqueeze(1)], dim=1)
+        u = (window * w[:, 0, :].t()).sum(1) + b
+        pool[slots] = window.float()
+        return torch.nn.functional.silu(u)
+
+    gb = 2 * width * C * D * 4 / 1e9
+    out[f"decode {width} rows torch"] = (_time_ms(torch_step), gb)
+    ms = _time_ms(lambda: conv_decode_inplace(pool, slots, keep, xd, w, b))
+    out[f"decode {width} rows triton"] = (ms, gb / ms)
+    return out
+
+
+if __name__ == "__main__":  # python -m export.conv_triton   (CUDA: the bench; the checks are tests)
+    for name, (ms, tbs) in bench_conv_kernel().items():
+        print(f"bench conv {name}: {ms:.3f} ms" + (f" = {tbs:.2f} TB/s" if "torch" not in name else ""))

@@ -81,10 +81,12 @@ def check_gamma(H: int, device) -> torch.Tensor:
 
 
 def gla_decode_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor, q: torch.Tensor,
-                       k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+                       k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor,
+                       block_v: int = BLOCK_V, num_warps: int = NUM_WARPS) -> torch.Tensor:
     """pool [num_slots, H, K, V] float32 (any strides, updated in place); slots [B] integer (valid
-    slot ids); keep [B] bool (False: start from a zero state); q, k [B, H, K]; v [B, H, V];
-    gamma [H] (ln λ).  Returns o [B, H, V] float32."""
+    slot ids); keep [B] bool (False: start from a zero state); q, k [B, H, K]; v [B, H, V] (any
+    float dtype, last-dim stride 1 or copied); gamma [H] (ln λ).  Returns o [B, H, V] float32.
+    block_v, num_warps: the launch (one program per row, head and block_v columns of V)."""
     if triton is None:
         raise RuntimeError("export.gla_triton: triton is not installed")
     B, H, K = q.shape
@@ -98,7 +100,7 @@ def gla_decode_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tens
     slots = slots.contiguous()
     keep = keep.to(torch.int8).contiguous()
     gamma = gamma.to(device=q.device, dtype=torch.float32).contiguous()
-    BV = min(BLOCK_V, triton.next_power_of_2(V))
+    BV = min(block_v, triton.next_power_of_2(V))
     grid = (B, H, triton.cdiv(V, BV))
     _gla_decode_kernel[grid](
         pool, slots, keep, q, k, v, gamma, o,
@@ -106,7 +108,7 @@ def gla_decode_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tens
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1),
         float(K) ** -0.5,
-        K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, num_warps=NUM_WARPS)
+        K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, num_warps=num_warps)
     return o
 
 
@@ -153,7 +155,33 @@ def check_decode_kernel(device: str = "cuda", H: int = 16, K: int = 96, V: int =
     return max(err_o, err_s, err_u, err_p)
 
 
-if __name__ == "__main__":  # python -m export.gla_triton [cpu|cuda]
+def bench_decode_kernel(width: int = 1280, H: int = 16, K: int = 96, V: int = 192,
+                        launches=((64, 4), (32, 4), (32, 2), (64, 8), (128, 4), (128, 8))) -> dict:
+    """CUDA: `gla_decode_inplace` at `width` rows of the 3B head shape (bf16 views of one
+    projection, as the mixer passes them), ms per launch (block_v, num_warps) and its state traffic
+    in TB/s (read + write of width × H·K·V float32)."""
+    from export.gla_prefill_triton import _time_ms
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    slots = (torch.randperm(width + 7, generator=g)[:width] + 1).cuda()
+    keep = torch.ones(width, dtype=torch.bool, device="cuda")
+    pool = torch.zeros(width + 8, H, K, V, device="cuda")
+    proj = torch.randn(width, H * (2 * K + 2 * V), generator=g).to("cuda", torch.bfloat16)
+    q, k, v, _ = torch.split(proj, [H * K, H * K, H * V, H * V], dim=-1)
+    q, k, v = q.unflatten(1, (H, K)), k.unflatten(1, (H, K)), v.unflatten(1, (H, V))
+    gamma = check_gamma(H, "cuda")
+    gb = 2 * width * H * K * V * 4 / 1e9
+    out = {}
+    for bv, warps in launches:
+        ms = _time_ms(lambda: gla_decode_inplace(pool, slots, keep, q, k, v, gamma, bv, warps))
+        out[f"BV={bv} warps={warps}"] = (ms, gb / ms)
+    return out
+
+
+if __name__ == "__main__":  # python -m export.gla_triton [cpu|cuda]  (cuda: also bench_decode_kernel)
     import sys
     dev = sys.argv[1] if len(sys.argv) > 1 else "cuda"
     print(f"max abs error {check_decode_kernel(dev):.3e}")
+    if dev != "cpu":
+        for name, (ms, tbs) in bench_decode_kernel().items():
+            print(f"bench decode GLA width 1280 {name}: {ms:.3f} ms = {tbs:.2f} TB/s of state")

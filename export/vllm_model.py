@@ -6,7 +6,8 @@ Each layer's token mixer is a `MambaBase` layer whose two float32 states — the
 (`torch.ops.vllm.laplace_mixer`) so the rest of the model can go through torch.compile.
 
 On CUDA with triton, Triton kernels update the states in the pool in place, with no grouping by
-length: the GLA of decode rows through export/gla_triton.py; all prefill requests of a step as one
+length: the decode rows' conv window (export/conv_triton.py, one-token tiles) and GLA step
+(export/gla_triton.py); all prefill requests of a step as one
 packed call each of export/conv_triton.py (conv window + SiLU) and export/gla_prefill_triton.py
 (chunked GLA), with no state gather / scatter; on both, the post-GLA part (self-augmentation, head
 norm, gate, cast) as one kernel of export/mix_triton.py.  The torch path (CPU installs without triton, or
@@ -137,12 +138,10 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
     def _decode(self, xn, conv_pool, gla_pool, sl, keep):
         """One token per row: conv window and GLA state read from / written to the pool at slots sl."""
         if _gla_triton is not None and _gla_triton.available(xn):
-            # forward_step with the GLA step done in place on the pool.  Not the packed conv kernel
-            # with one-token requests: its 64-token tiles made it 16.8 ms a step at width 1,280 on
-            # an H200 (BENCHMARKS run S6), against ~4 ms for this window gather / scatter.
-            q, k, v, g, window = self.step_in(xn, torch.where(keep.view(-1, 1, 1), conv_pool[sl], 0.0))
+            # forward_step as three kernels and two GEMMs, both states updated in the pool in place
+            u = conv_triton.conv_decode_inplace(conv_pool, sl, keep, xn, self.conv.weight, self.conv.bias)
+            q, k, v, g = self.heads(self.w_qkvg(u))
             o = _gla_triton.gla_decode_inplace(gla_pool, sl, keep, q, k, v, self.gamma)
-            conv_pool[sl] = window.to(conv_pool.dtype)
             return self._step_out_fused(q, k, v, g, o, xn.dtype)
         cs = torch.where(keep.view(-1, 1, 1), conv_pool[sl], 0.0)
         gs = torch.where(keep.view(-1, 1, 1, 1), gla_pool[sl], 0.0)

@@ -87,13 +87,13 @@ def test_gla_reference_is_the_step_recurrence():
 
 # ----------------------------------------------------------------------------- the conv kernel alone
 
-def test_conv_prefill_vs_conv_with_state():
-    """Every request's SiLU(conv) and new window equal torch conv_with_state's (float32; requests
-    shorter than the kernel take part of their window from the old one); NaN pages with keep
-    False do not leak; other slots and the bytes around the view stay as they were."""
-    g = torch.Generator().manual_seed(11)
+def _conv_case(lens, pad_rows=0, seed=11):
+    """The conv kernel on requests of `lens` tokens (all 1: conv_decode_inplace), `pad_rows` more
+    rows at the null slot 0 with keep False, against torch conv_with_state per request (float32;
+    requests shorter than the kernel take part of their window from the old one); NaN pages with
+    keep False must not leak; other slots and the bytes around the view stay as they were."""
+    g = torch.Generator().manual_seed(seed)
     C, D, S = 4, 80, 12
-    lens = [1, 2, 3, 4, 5, 70, 130]
     R = len(lens)
     raw = torch.randn(S, 5 + C * D + 3, generator=g)
     pool = raw[:, 5:5 + C * D].unflatten(1, (C, D))
@@ -101,10 +101,17 @@ def test_conv_prefill_vs_conv_with_state():
     keep = torch.tensor([i % 3 != 1 for i in range(R)])
     pool[slots[~keep]] = float("nan")
     before = raw.clone()
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    x = torch.randn(int(cu[-1]) + 3, D, generator=g)
     w, b = torch.randn(D, 1, C, generator=g), torch.randn(D, generator=g)
-    u = conv_triton.conv_prefill_inplace(pool, slots, keep, x, w, b, cu)
+    if set(lens) == {1}:
+        x = torch.randn(R + pad_rows, D, generator=g)
+        cu = torch.arange(R + 1)
+        u = conv_triton.conv_decode_inplace(pool, torch.cat([slots, torch.zeros(pad_rows, dtype=slots.dtype)]),
+                                            torch.cat([keep, torch.zeros(pad_rows, dtype=torch.bool)]), x, w, b)
+    else:
+        assert pad_rows == 0
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        x = torch.randn(int(cu[-1]) + 3, D, generator=g)
+        u = conv_triton.conv_prefill_inplace(pool, slots, keep, x, w, b, cu)
     for r in range(R):
         a, e = int(cu[r]), int(cu[r + 1])
         win = torch.where(keep[r], before[slots[r], 5:5 + C * D].view(C, D), 0.0)
@@ -117,7 +124,19 @@ def test_conv_prefill_vs_conv_with_state():
         assert torch.equal(pool[slots[r]], want_w[0]), r               # copies of inputs: exact
     other = torch.ones_like(raw, dtype=torch.bool)
     other[slots, 5:5 + C * D] = False
+    if pad_rows:
+        other[0] = False          # the null slot: the padding rows' scratch
     assert torch.equal(raw.view(torch.int32)[other], before.view(torch.int32)[other])
+
+
+def test_conv_prefill_vs_conv_with_state():
+    _conv_case([1, 2, 3, 4, 5, 70, 130])
+
+
+def test_conv_decode_vs_conv_with_state():
+    """The decode step's one-token tiles (512 channels wide, D = 80 masked), with CUDA-graph
+    padding rows that all point at slot 0."""
+    _conv_case([1] * 9, pad_rows=3)
 
 
 # ----------------------------------------------------------------------------- the vLLM mixer
@@ -169,7 +188,7 @@ def _run(m, raw, md, xn, rows, triton_on, monkeypatch):
 def test_vllm_mixer_triton_prefill_equals_torch_path(mixer, monkeypatch):
     """A mixed step: 2 decode rows, then prefill requests of 1, 3, 17, 40 and 5 tokens (new and
     continued ones; pages of new sequences hold NaN), 4 padding rows.  The Triton paths (decode
-    kernel; packed conv + GLA prefill; the fused mixer_post after each, interpreter) against the
+    conv and GLA kernels; packed conv + GLA prefill; the fused mixer_post after each, interpreter) against the
     torch paths: outputs and GLA states within float32 rounding, conv windows equal."""
     m = mixer
     C, D, H, K, V = m.cfg.conv_kernel, m.cfg.d_model, m.H, m.K, m.V
@@ -190,10 +209,12 @@ def test_vllm_mixer_triton_prefill_equals_torch_path(mixer, monkeypatch):
         f = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, f=f, name=name, **kw: calls.append(name) or f(*a, **kw))
     got = _run(m, raw_t, md, xn, n + 4, True, monkeypatch)
-    # decode: the fused post; prefill: one packed call each, then the fused post
-    assert calls == ["mixer_post_fused", "conv_prefill_inplace", "gla_prefill_inplace", "mixer_post_fused"]
+    # decode: the conv (one-token tiles of the packed kernel) and the fused post; prefill: one
+    # packed call each, then the fused post
+    assert calls == ["conv_prefill_inplace", "mixer_post_fused",                        # decode rows
+                     "conv_prefill_inplace", "gla_prefill_inplace", "mixer_post_fused"]  # prefill
     want = _run(m, raw, md, xn, n + 4, False, monkeypatch)
-    assert len(calls) == 4                                                 # the torch path: none
+    assert len(calls) == 5                                                 # the torch path: none
 
     assert torch.equal(got[n:], want[n:]) and not got[n:].any()
     # o: each path within tolerance('ieee') of the exact GLA; mixer_post's head RMSNorm keeps a
