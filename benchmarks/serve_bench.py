@@ -904,6 +904,11 @@ def setup_env(a) -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     if a.smoke:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    else:
+        # vLLM forks its engine core unless it sees CUDA initialised; a child whose model folder
+        # was reused (no GPU build first) touched CUDA in a way that check missed, and the forked
+        # core failed "Cannot re-initialize CUDA in forked subprocess" (H200, BENCHMARKS run S7)
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 
 def model_setup(a) -> tuple:
