@@ -16,16 +16,18 @@ old window is read (by the first block and, for requests shorter than C, by the 
 the same program overwrites it; a barrier orders those reads before the write across its threads.
 
 `conv_decode_inplace` is the same kernel for a decode step (one token per row) with one-token
-tiles: the prefill's 64-token tiles would be 63/64 masked rows there.
+tiles: the prefill's 32-token tiles would be 31/32 masked rows there.
 """
 import torch
 
 from export.gla_triton import triton, tl
 
-# D = 3072: 48 channel blocks per request; each block of 64 tokens loads C shifted [64, 64] tiles
-# of x (the shifts hit L1/L2: about one read of x overall) and stores one.
+# D = 3072: 48 channel blocks per request; each block of 32 tokens loads C shifted [32, 64] tiles
+# of x (the shifts hit L1/L2: about one read of x overall) and stores one.  On an H200 at 8 × 2,048
+# bf16 tokens: 0.226 ms a layer, against 0.246 for [64, 64] tiles and 0.35-0.50 for wider
+# channel blocks (`bench_conv_kernel`, BENCHMARKS run S7).
 BLOCK_D = 64
-BLOCK_T = 64
+BLOCK_T = 32
 NUM_WARPS = 4
 # decode: one token per row.  Run as one-token requests with the prefill tiles, the conv took
 # 16.8 ms a step at width 1,280 on an H200 (BENCHMARKS run S6); a [1, 512] tile moves the same bytes
