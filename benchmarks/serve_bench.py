@@ -335,7 +335,7 @@ def llama_folder(a, cfg, hf: dict, device: str, max_len: int) -> tuple:
 
 def _pool_info(worker):
     """Runs in the vLLM worker: state bytes per sequence slot, slots in the pool, decode path."""
-    from export import vllm_model
+    from export import gla_triton, vllm_model
     from vllm_check import _state_bytes   # benchmarks/vllm_check.py (this script's folder)
 
     info = _state_bytes(worker)
@@ -347,8 +347,7 @@ def _pool_info(worker):
     if mixers:
         conv, gla = mixers[0]._pools()
         slots = int(gla.shape[0])
-        kern = vllm_model._gla_triton
-        path = "triton" if kern is not None and kern.available(gla) else "torch"
+        path = "triton" if gla_triton.available(gla) else "torch"
     return {"bytes": info["bytes"], "slots": slots, "decode_path": path}
 
 

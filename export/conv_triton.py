@@ -130,9 +130,10 @@ def bench_conv_kernel(prefill_tokens: int = 16384, width: int = 1280, D: int = 3
                       tiles=((64, 64), (32, 128), (16, 256), (64, 128), (32, 64))) -> dict:
     """CUDA, bf16, the 3B width.  Prefill: `conv_prefill_inplace` on 8 requests of
     prefill_tokens / 8 tokens per tile (block_t, block_d), and its HBM traffic (x read, u written)
-    in TB/s.  Decode at `width` rows: the torch step's window gather / where / cat / scatter (as
-    torch_model's step_in, with the pool) against `conv_decode_inplace`."""
+    in TB/s.  Decode at `width` rows: the torch decode path's window gather, `conv_step` and scatter
+    against `conv_decode_inplace`."""
     from export.gla_prefill_triton import _time_ms
+    from export.torch_model import conv_step
 
     g = torch.Generator(device="cpu").manual_seed(0)
     w = torch.randn(D, 1, C, generator=g).to("cuda", torch.bfloat16)
@@ -152,10 +153,8 @@ def bench_conv_kernel(prefill_tokens: int = 16384, width: int = 1280, D: int = 3
     keep = torch.ones(width, dtype=torch.bool, device="cuda")
     xd = x[:width]
 
-    def torch_step():
-        cs = torch.where(keep.view(-1, 1, 1), pool[slots], 0.0)
-        window = torch.cat([cs[:, 1:].to(xd.dtype), xd.unsqueeze(1)], dim=1)
-        u = (window * w[:, 0, :].t()).sum(1) + b
+    def torch_step():       # the torch decode path's conv: gather, conv_step, scatter
+        u, window = conv_step(xd, torch.where(keep.view(-1, 1, 1), pool[slots], 0.0), w, b)
         pool[slots] = window.float()
         return torch.nn.functional.silu(u)
 

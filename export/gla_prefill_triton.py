@@ -264,6 +264,8 @@ def prefill_errors(device: str = "cuda", lengths=(1, 63, 64, 65, 200, 2048, 17, 
     the bytes of each page outside the pool view.  q, k, v are strided views of one projection.
     Returns {"o", "state"}: the largest per-request relative error, {"changed"}: elements changed
     outside the requests' states, and the seed."""
+    from export.torch_model import split_heads
+
     seed = _fresh_seed() if seed is None else seed
     g = torch.Generator(device="cpu").manual_seed(seed)
     R = len(lengths)
@@ -275,8 +277,7 @@ def prefill_errors(device: str = "cuda", lengths=(1, 63, 64, 65, 200, 2048, 17, 
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device, dtype=torch.int32)
     T = int(cu[-1]) + 5
     proj = torch.randn(T, H * (2 * K + 2 * V), generator=g).to(device=device, dtype=dtype)
-    q, k, v, _ = torch.split(proj, [H * K, H * K, H * V, H * V], dim=-1)
-    q, k, v = q.unflatten(1, (H, K)), k.unflatten(1, (H, K)), v.unflatten(1, (H, V))
+    q, k, v, _ = split_heads(proj, H, K, V)
     gamma = check_gamma(H, device)
     state0 = torch.where(keep.view(-1, 1, 1, 1), pool[slots], 0.0)
     want_o, want_s = gla_reference(q, k, v, gamma, state0, cu)
@@ -327,7 +328,7 @@ def bench_prefill_kernel(device: str = "cuda", requests: int = 8, length: int = 
     (the float32 copies the mixer makes anyway for mixer_post are not counted), scatter back.
     "triton BV/warps/stages/precision": `gla_prefill_inplace` on bf16 strided views, per config.
     Returns {name: ms} plus "ratio": torch ms / the fastest Triton ms."""
-    from export.torch_model import gla_chunked
+    from export.torch_model import gla_chunked, split_heads
 
     g = torch.Generator(device="cpu").manual_seed(_fresh_seed())
     T = requests * length
@@ -336,8 +337,7 @@ def bench_prefill_kernel(device: str = "cuda", requests: int = 8, length: int = 
     keep = torch.ones(requests, dtype=torch.bool, device=device)
     cu = torch.arange(0, T + 1, length, device=device, dtype=torch.int32)
     proj = torch.randn(T, H * (2 * K + 2 * V), generator=g).to(device=device, dtype=torch.bfloat16)
-    q, k, v, _ = torch.split(proj, [H * K, H * K, H * V, H * V], dim=-1)
-    q, k, v = q.unflatten(1, (H, K)), k.unflatten(1, (H, K)), v.unflatten(1, (H, V))
+    q, k, v, _ = split_heads(proj, H, K, V)
     gamma = check_gamma(H, device)
     q32, k32, v32 = (x.float().view(requests, length, H, -1) for x in (q, k, v))
 

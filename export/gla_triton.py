@@ -120,7 +120,7 @@ def check_decode_kernel(device: str = "cuda", H: int = 16, K: int = 96, V: int =
     The pool is a strided view into a page buffer (as vLLM lays out a layer's two states); q, k, v
     are non-contiguous views of one projection (as the mixer splits them); `pad_rows` extra rows
     point at slot 0 with keep False (CUDA-graph padding) and are excluded from the comparison."""
-    from export.torch_model import gla_step
+    from export.torch_model import gla_step, split_heads
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     page = 8 + H * K * V + 24                       # some other state before it, padding after it
@@ -134,8 +134,7 @@ def check_decode_kernel(device: str = "cuda", H: int = 16, K: int = 96, V: int =
     keep = keep.to(device)
     B = rows + pad_rows
     proj = torch.randn(B, H * (2 * K + 2 * V), generator=g).to(device)
-    q, k, v, _ = torch.split(proj, [H * K, H * K, H * V, H * V], dim=-1)
-    q, k, v = q.reshape(B, H, K), k.reshape(B, H, K), v.reshape(B, H, V)
+    q, k, v, _ = split_heads(proj, H, K, V)
     gamma = check_gamma(H, device)
 
     st = torch.where(keep[:rows].view(-1, 1, 1, 1), before[slots[:rows]], 0.0)
@@ -161,14 +160,14 @@ def bench_decode_kernel(width: int = 1280, H: int = 16, K: int = 96, V: int = 19
     projection, as the mixer passes them), ms per launch (block_v, num_warps) and its state traffic
     in TB/s (read + write of width × H·K·V float32)."""
     from export.gla_prefill_triton import _time_ms
+    from export.torch_model import split_heads
 
     g = torch.Generator(device="cpu").manual_seed(0)
     slots = (torch.randperm(width + 7, generator=g)[:width] + 1).cuda()
     keep = torch.ones(width, dtype=torch.bool, device="cuda")
     pool = torch.zeros(width + 8, H, K, V, device="cuda")
     proj = torch.randn(width, H * (2 * K + 2 * V), generator=g).to("cuda", torch.bfloat16)
-    q, k, v, _ = torch.split(proj, [H * K, H * K, H * V, H * V], dim=-1)
-    q, k, v = q.unflatten(1, (H, K)), k.unflatten(1, (H, K)), v.unflatten(1, (H, V))
+    q, k, v, _ = split_heads(proj, H, K, V)
     gamma = check_gamma(H, "cuda")
     gb = 2 * width * H * K * V * 4 / 1e9
     out = {}

@@ -175,10 +175,11 @@ def random_inputs(N: int, H: int = 16, K: int = 96, V: int = 192, T: int = 4,
     splits it; 3 extra rows so the views do not end the buffer), o [N, H, V] float32 (a strided
     view too), aug_balance [H, K], head_norm [T, V] float32 (random, not the ones/zeros of a fresh
     model), eps.  Returns (q, k, v, g, o, aug_balance, head_norm, eps)."""
+    from export.torch_model import split_heads
+
     g_ = torch.Generator(device="cpu").manual_seed(_fresh_seed() if seed is None else seed)
     proj = torch.randn(N + 3, H * (2 * K + 2 * V), generator=g_).to(device=device, dtype=dtype)[:N]
-    q, k, v, g = torch.split(proj, [H * K, H * K, H * V, H * V], dim=-1)
-    q, k, v, g = q.unflatten(1, (H, K)), k.unflatten(1, (H, K)), v.unflatten(1, (H, V)), g.unflatten(1, (H, V))
+    q, k, v, g = split_heads(proj, H, K, V)
     o = torch.randn(N, H, V + 5, generator=g_).to(device)[..., 2:2 + V]
     aug_balance = (0.3 * torch.randn(H, K, generator=g_)).to(device)
     head_norm = (1 + 0.2 * torch.randn(T, V, generator=g_)).to(device)

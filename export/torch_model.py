@@ -52,6 +52,22 @@ def conv_with_state(x: torch.Tensor, window: torch.Tensor, w: torch.Tensor, b: t
     return u.transpose(1, 2), new_window
 
 
+def conv_step(x: torch.Tensor, window: torch.Tensor, w: torch.Tensor, b: torch.Tensor):
+    """One token of `conv_with_state`, in x's dtype: x [B, D], window [B, C, D], w [D, 1, C].
+    Returns (u [B, D], the new window [B, C, D] in x's dtype)."""
+    new_window = torch.cat([window[:, 1:].to(x.dtype), x.unsqueeze(1)], dim=1)
+    u = (new_window * w[:, 0, :].t().to(x.dtype)).sum(1) + b.to(x.dtype)
+    return u, new_window
+
+
+def split_heads(qkvg: torch.Tensor, H: int, K: int, V: int) -> tuple:
+    """The projection [..., H·(2K + 2V)] as q, k [..., H, K], v, g [..., H, V] (views, same dtype)."""
+    q, k, v, g = torch.split(qkvg, [H * K, H * K, H * V, H * V], dim=-1)
+    shp = qkvg.shape[:-1]
+    return (q.reshape(*shp, H, K), k.reshape(*shp, H, K),
+            v.reshape(*shp, H, V), g.reshape(*shp, H, V))
+
+
 def gla_chunked(q, k, v, gamma, state, chunk: int = 64):
     """Simple GLA with fixed per-head decay, chunked, float32, with no Python loop over chunks.
 
@@ -142,11 +158,7 @@ class LaplaceMixerWeights(nn.Module):
 
     def heads(self, qkvg):
         """The projection [..., qkvg_dim] as q, k [..., H, K], v, g [..., H, V] (views, same dtype)."""
-        H, K, V = self.H, self.K, self.V
-        q, k, v, g = torch.split(qkvg, [H * K, H * K, H * V, H * V], dim=-1)
-        shp = qkvg.shape[:-1]
-        return (q.reshape(*shp, H, K), k.reshape(*shp, H, K),
-                v.reshape(*shp, H, V), g.reshape(*shp, H, V))
+        return split_heads(qkvg, self.H, self.K, self.V)
 
     def split(self, u):
         return self.heads(self.w_qkvg(u).float())
@@ -163,9 +175,7 @@ class LaplaceMixerWeights(nn.Module):
     def step_in(self, xn, conv_state):
         """The part of one decode step before the GLA. xn: [B, D]; conv_state: [B, C, D].
         Returns (q, k, v, g [B, H, *] float32, the new conv window [B, C, D] in xn's dtype)."""
-        window = torch.cat([conv_state[:, 1:].to(xn.dtype), xn.unsqueeze(1)], dim=1)   # [B, C, D]
-        w = self.conv.weight[:, 0, :].t().to(xn.dtype)                                   # [C, D]
-        u = (window * w).sum(1) + self.conv.bias.to(xn.dtype)
+        u, window = conv_step(xn, conv_state, self.conv.weight, self.conv.bias)
         return (*self.split(F.silu(u)), window)
 
     def step_out(self, q, k, v, g, o, dtype):

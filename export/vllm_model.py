@@ -39,8 +39,6 @@ from laplace_jax.spec import Arch
 
 from export import conv_triton, gla_prefill_triton, gla_triton, mix_triton
 
-_gla_triton = gla_triton if gla_triton.triton is not None else None   # None: no triton (CPU installs)
-
 try:  # vLLM >= 0.11
     from vllm.compilation.decorators import support_torch_compile
 except ImportError:  # pragma: no cover
@@ -124,9 +122,10 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
         slots = torch.where(pad, torch.zeros_like(slots), slots)
         if n < output.shape[0]:
             output[n:].zero_()
+        fast = gla_triton.available(xn)   # the Triton kernels (CUDA, triton installed, not switched off)
         if nd > 0:   # no host sync here: a decode-only batch may be captured in a full CUDA graph
-            output[:nd] = self._decode(xn[:nd], conv_pool, gla_pool, slots[:nd], has_ctx[:nd]).to(output.dtype)
-        if npf > 0 and _gla_triton is not None and _gla_triton.available(xn):
+            output[:nd] = self._decode(xn[:nd], conv_pool, gla_pool, slots[:nd], has_ctx[:nd], fast).to(output.dtype)
+        if npf > 0 and fast:
             t0 = int(md.num_decode_tokens)     # prefill tokens follow the decode tokens
             cu = qsl[nd:] - qsl[nd]
             output[t0:n] = self._prefill_packed(xn[t0:n], conv_pool, gla_pool, slots[nd:nreq],
@@ -135,13 +134,14 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
             self._prefill(xn, output, conv_pool, gla_pool, slots, has_ctx,
                           _prefill_groups(md, qsl, has_ctx, nd, nreq, self.chunk, self.H * self.K * self.V))
 
-    def _decode(self, xn, conv_pool, gla_pool, sl, keep):
-        """One token per row: conv window and GLA state read from / written to the pool at slots sl."""
-        if _gla_triton is not None and _gla_triton.available(xn):
+    def _decode(self, xn, conv_pool, gla_pool, sl, keep, fast: bool):
+        """One token per row: conv window and GLA state read from / written to the pool at slots sl
+        (fast: by the Triton kernels, in place)."""
+        if fast:
             # forward_step as three kernels and two GEMMs, both states updated in the pool in place
             u = conv_triton.conv_decode_inplace(conv_pool, sl, keep, xn, self.conv.weight, self.conv.bias)
             q, k, v, g = self.heads(self.w_qkvg(u))
-            o = _gla_triton.gla_decode_inplace(gla_pool, sl, keep, q, k, v, self.gamma)
+            o = gla_triton.gla_decode_inplace(gla_pool, sl, keep, q, k, v, self.gamma)
             return self._step_out_fused(q, k, v, g, o, xn.dtype)
         cs = torch.where(keep.view(-1, 1, 1), conv_pool[sl], 0.0)
         gs = torch.where(keep.view(-1, 1, 1, 1), gla_pool[sl], 0.0)
