@@ -300,14 +300,15 @@ def _model_folder(a, cfg, name: str, explicit: Optional[str], stamp: dict,
 
 
 def check_prefill(dtype: str, rows) -> bool:
-    """Phase b's prefill kernel check at the serving dtype (float32: ieee products, else tf32)
-    against the float64 recurrence; False (logged) when over `gla_prefill_triton.tolerance`."""
+    """Phase b's prefill kernel check at the serving dtype and the precision the engine then uses
+    (`gla_prefill_triton.default_precision`: ieee for float32, bf16 products for bf16) against
+    the float64 recurrence; False (logged) when over `gla_prefill_triton.tolerance`."""
     import torch
     from export import gla_prefill_triton as gpt
 
-    f32 = dtype == "float32"
-    prec = "ieee" if f32 else "tf32"
-    e = gpt.prefill_errors("cuda", dtype=torch.float32 if f32 else torch.bfloat16, precision=prec)
+    tdt = torch.float32 if dtype == "float32" else torch.bfloat16
+    prec = gpt.default_precision(tdt)
+    e = gpt.prefill_errors("cuda", dtype=tdt, precision=prec)
     err, tol = max(e["o"], e["state"]), gpt.tolerance(prec)
     log(f"b. prefill kernel ({prec}) relative error vs float64: o {e['o']:.2e} state {e['state']:.2e} "
         f"(tolerance {tol:.1e}), {e['changed']} elements changed outside the states, seed {e['seed']}")

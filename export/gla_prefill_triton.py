@@ -20,10 +20,11 @@ e^{γ(n-1-j)} would be a positive exponent).
 
 Precision: the state and every accumulation are float32.  `precision` picks the operands of the
 three products that involve float32 intermediates (the masked scores, the state, the decayed keys):
-"ieee" (float32 inputs; parity with the JAX float32 model), "tf32" (the default for bf16 inputs:
-their q, k, v are exact in tf32, only the float32 intermediate operand is rounded, to 10 mantissa
-bits) or "bf16" (7 bits; measured by `check_prefill_kernel`).  q k^T of bf16 inputs is always a
-bf16 product: exact products, float32 sums.
+"ieee" (the default for float32 inputs; parity with the JAX float32 model), "bf16" (the default for
+bf16 inputs: those operands rounded to bf16, as JAX's own `ops.gla.chunk_simple_gla` and fla's
+`chunk_simple_gla` do for bf16 models; 2.4x faster than tf32 on an H200, BENCHMARKS run S8) or
+"tf32" (10 mantissa bits; the default for float16 inputs).  q k^T of bf16 inputs is always a bf16
+product: exact products, float32 sums.  `check_prefill_kernel` measures each against float64.
 
 `check_prefill_kernel()` compares against a float64 step recurrence; `bench_prefill_kernel()` times
 it against the torch path (gather + `gla_chunked` + scatter).  `python -m export.gla_prefill_triton
@@ -42,7 +43,8 @@ from export.gla_triton import _rowmajor, available, check_gamma, enabled, triton
 # and output tiles; BV=32 would double the programs but recompute q k^T six times per chunk.
 # Stages: the loads of the next chunk's q, k, v are multi-buffered in shared memory (40 KB a stage
 # for bf16 at BT=64; 80 KB for float32, which therefore gets one stage to stay under 227 KB with
-# the dot operands' staging).
+# the dot operands' staging).  bf16 takes three: 0.273 ms against 0.321 with two at 8 x 2,048
+# tokens (H200, BENCHMARKS run S8); 8 warps, BV 32 or 128, and 32- or 128-token chunks were slower.
 BLOCK_V = 64
 NUM_WARPS = 4
 CHUNK = 64
@@ -119,12 +121,18 @@ if triton is not None:
         tl.store(s_ptrs, s, mask=s_mask)
 
 
+def default_precision(dtype: torch.dtype) -> str:
+    """The products' precision `gla_prefill_inplace` uses for q, k, v of `dtype` (the module doc)."""
+    return {torch.float32: "ieee", torch.bfloat16: "bf16"}.get(dtype, "tf32")
+
+
 def _modes(dtype: torch.dtype, precision: Optional[str]) -> tuple:
     """(QK_MODE, MODE) for inputs of `dtype`.  MODE: `precision`, by default ieee for float32
-    inputs and tf32 for 16-bit ones.  q k^T of 16-bit inputs uses operands they are exact in:
-    bf16 for bf16, tf32 (11 significant bits) for float16."""
+    inputs, bf16 for bf16 ones (JAX's chunked GLA rounds the same operands to the input dtype) and
+    tf32 for float16 (whose 5 exponent bits would not hold the decayed state).  q k^T of 16-bit
+    inputs uses operands they are exact in: bf16 for bf16, tf32 (11 significant bits) for float16."""
     low = dtype != torch.float32
-    precision = precision or ("tf32" if low else "ieee")
+    precision = precision or default_precision(dtype)
     if precision not in _MODES:
         raise ValueError(f"precision={precision!r}: want one of {sorted(_MODES)}")
     mode = _MODES[precision]
@@ -178,7 +186,7 @@ def gla_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Ten
         float(K) ** -0.5,
         K=K, V=V, BK=BK, BV=BV, BT=chunk, QK_MODE=qk_mode, MODE=mode,
         EMULATE=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps,
-        num_stages=num_stages or (1 if q.dtype == torch.float32 else 2))
+        num_stages=num_stages or {torch.float32: 1, torch.bfloat16: 3}.get(q.dtype, 2))
     return o
 
 
@@ -319,14 +327,15 @@ def _time_ms(fn, warmup: int = 3, reps: int = 20) -> float:
 
 
 def bench_prefill_kernel(device: str = "cuda", requests: int = 8, length: int = 2048, H: int = 16,
-                         K: int = 96, V: int = 192, chunk: int = CHUNK,
-                         configs=((64, 4, 2, "tf32"), (64, 8, 2, "tf32"), (64, 4, 1, "tf32"),
-                                  (64, 4, 3, "tf32"), (32, 4, 2, "tf32"), (64, 4, 2, "bf16"))) -> dict:
+                         K: int = 96, V: int = 192,
+                         configs=((64, 4, 2, "tf32", 64), (64, 4, 2, "bf16", 64), (64, 4, 3, "bf16", 64),
+                                  (64, 8, 2, "bf16", 64), (32, 4, 2, "bf16", 64), (128, 8, 2, "bf16", 64),
+                                  (64, 8, 2, "bf16", 128), (64, 4, 2, "bf16", 32))) -> dict:
     """Time the prefill GLA of `requests` × `length` bf16 tokens (the 3B shape).
 
     "torch": the current vLLM path: gather the states by slot, `gla_chunked` on the float32 q, k, v
     (the float32 copies the mixer makes anyway for mixer_post are not counted), scatter back.
-    "triton BV/warps/stages/precision": `gla_prefill_inplace` on bf16 strided views, per config.
+    "triton BV/warps/stages/precision/chunk": `gla_prefill_inplace` on bf16 strided views, per config.
     Returns {name: ms} plus "ratio": torch ms / the fastest Triton ms."""
     from export.torch_model import gla_chunked, split_heads
 
@@ -343,16 +352,16 @@ def bench_prefill_kernel(device: str = "cuda", requests: int = 8, length: int = 
 
     def torch_path():
         st = torch.where(keep.view(-1, 1, 1, 1), pool[slots], 0.0)
-        _, st = gla_chunked(q32, k32, v32, gamma, st, chunk)
+        _, st = gla_chunked(q32, k32, v32, gamma, st, CHUNK)
         pool[slots] = st
 
     out = {"torch": _time_ms(torch_path)}
-    for bv, warps, stages, prec in configs:
-        name = f"triton BV={bv} warps={warps} stages={stages} {prec}"
+    for bv, warps, stages, prec, chunk in configs:
+        name = f"triton BV={bv} warps={warps} stages={stages} {prec} chunk={chunk}"
         try:
             out[name] = _time_ms(
                 lambda: gla_prefill_inplace(pool, slots, keep, q, k, v, gamma, cu, chunk, prec, bv, warps, stages))
-        except triton.runtime.errors.OutOfResources as e:   # e.g. shared memory: report, go on
+        except Exception as e:  # noqa: BLE001 - a setting that does not compile or fit (shared memory): report, go on
             print(f"bench {name}: {e}")
             out[name] = float("nan")
     out["ratio"] = out["torch"] / min(t for name, t in out.items() if name.startswith("triton") and t == t)
