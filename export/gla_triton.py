@@ -17,6 +17,7 @@ LAPLACE_VLLM_TRITON not "0").  `check_decode_kernel()` compares it with `torch_m
 random data (GPU only; with TRITON_INTERPRET=1 it also runs on CPU tensors).
 """
 import os
+from typing import Optional
 
 import torch
 
@@ -28,6 +29,7 @@ except ImportError:  # CPU install without triton: the torch path is used
     tl = None
 
 BLOCK_V = 64
+BLOCK_K = None      # None: all of K in one block (next power of 2)
 NUM_WARPS = 4
 
 
@@ -52,22 +54,26 @@ if triton is not None:
         slot = tl.load(slots_ptr + b).to(tl.int64)
         keep = tl.load(keep_ptr + b)
         lam = tl.exp(tl.load(gamma_ptr + h).to(tl.float32))
-        rk = tl.arange(0, BK)
         rv = vb * BV + tl.arange(0, BV)
-        mk = rk < K
         mv = rv < V
-        q = tl.load(q_ptr + b * sq_b + h * sq_h + rk, mask=mk, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + b * sk_b + h * sk_h + rk, mask=mk, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + b * sv_b + h * sv_h + rv, mask=mv, other=0.0).to(tl.float32)
-        ptrs = pool_ptr + slot * sp_slot + h * sp_h + rk[:, None] * sp_k + rv[None, :] * sp_v
-        m = mk[:, None] & mv[None, :]
-        s = tl.load(ptrs, mask=m, other=0.0)
-        # a select, not a product: a reused page may hold anything (keep == 0: start from zero)
-        s = tl.where(keep != 0, s * lam, 0.0)
-        s = s + k[:, None] * v[None, :]
-        o = tl.sum(s * q[:, None], axis=0) * scale
-        tl.store(ptrs, s, mask=m)
-        tl.store(o_ptr + b * so_b + h * so_h + rv, o, mask=mv)
+        o = tl.zeros([BV], dtype=tl.float32)
+        # K in blocks of BK rows, unrolled: with BK dividing K (32 for K = 96) no lane is masked off,
+        # and all blocks' loads can be in flight at once
+        for kb in tl.static_range(0, K, BK):
+            rk = kb + tl.arange(0, BK)
+            mk = rk < K
+            q = tl.load(q_ptr + b * sq_b + h * sq_h + rk, mask=mk, other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + b * sk_b + h * sk_h + rk, mask=mk, other=0.0).to(tl.float32)
+            ptrs = pool_ptr + slot * sp_slot + h * sp_h + rk[:, None] * sp_k + rv[None, :] * sp_v
+            m = mk[:, None] & mv[None, :]
+            s = tl.load(ptrs, mask=m, other=0.0)
+            # a select, not a product: a reused page may hold anything (keep == 0: start from zero)
+            s = tl.where(keep != 0, s * lam, 0.0)
+            s = s + k[:, None] * v[None, :]
+            o += tl.sum(s * q[:, None], axis=0)
+            tl.store(ptrs, s, mask=m)
+        tl.store(o_ptr + b * so_b + h * so_h + rv, o * scale, mask=mv)
 
 
 def _rowmajor(x: torch.Tensor) -> torch.Tensor:
@@ -82,11 +88,13 @@ def check_gamma(H: int, device) -> torch.Tensor:
 
 def gla_decode_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor, q: torch.Tensor,
                        k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor,
-                       block_v: int = BLOCK_V, num_warps: int = NUM_WARPS) -> torch.Tensor:
+                       block_v: int = BLOCK_V, num_warps: int = NUM_WARPS,
+                       block_k: Optional[int] = BLOCK_K) -> torch.Tensor:
     """pool [num_slots, H, K, V] float32 (any strides, updated in place); slots [B] integer (valid
     slot ids); keep [B] bool (False: start from a zero state); q, k [B, H, K]; v [B, H, V] (any
     float dtype, last-dim stride 1 or copied); gamma [H] (ln λ).  Returns o [B, H, V] float32.
-    block_v, num_warps: the launch (one program per row, head and block_v columns of V)."""
+    block_v, num_warps: the launch (one program per row, head and block_v columns of V); block_k:
+    rows of K per unrolled step inside a program (None: all of K, padded to a power of 2)."""
     if triton is None:
         raise RuntimeError("export.gla_triton: triton is not installed")
     B, H, K = q.shape
@@ -101,6 +109,9 @@ def gla_decode_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tens
     keep = keep.to(torch.int8).contiguous()
     gamma = gamma.to(device=q.device, dtype=torch.float32).contiguous()
     BV = min(block_v, triton.next_power_of_2(V))
+    BK = triton.next_power_of_2(K) if block_k is None else block_k
+    if BK & (BK - 1):
+        raise ValueError(f"block_k={block_k}: want a power of 2")
     grid = (B, H, triton.cdiv(V, BV))
     _gla_decode_kernel[grid](
         pool, slots, keep, q, k, v, gamma, o,
@@ -108,7 +119,7 @@ def gla_decode_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tens
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1),
         float(K) ** -0.5,
-        K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, num_warps=num_warps)
+        K=K, V=V, BK=BK, BV=BV, num_warps=num_warps)
     return o
 
 
@@ -155,10 +166,11 @@ def check_decode_kernel(device: str = "cuda", H: int = 16, K: int = 96, V: int =
 
 
 def bench_decode_kernel(width: int = 1280, H: int = 16, K: int = 96, V: int = 192,
-                        launches=((64, 4), (32, 4), (32, 2), (64, 8), (128, 4), (128, 8))) -> dict:
+                        launches=((64, 4, None), (64, 4, 32), (64, 8, 32), (128, 4, 32), (128, 8, 32),
+                                  (64, 4, 16), (32, 4, 32), (256, 8, 32))) -> dict:
     """CUDA: `gla_decode_inplace` at `width` rows of the 3B head shape (bf16 views of one
-    projection, as the mixer passes them), ms per launch (block_v, num_warps) and its state traffic
-    in TB/s (read + write of width × H·K·V float32)."""
+    projection, as the mixer passes them), ms per launch (block_v, num_warps, block_k) and its
+    state traffic in TB/s (read + write of width × H·K·V float32)."""
     from export.gla_prefill_triton import _time_ms
     from export.torch_model import split_heads
 
@@ -171,9 +183,9 @@ def bench_decode_kernel(width: int = 1280, H: int = 16, K: int = 96, V: int = 19
     gamma = check_gamma(H, "cuda")
     gb = 2 * width * H * K * V * 4 / 1e9
     out = {}
-    for bv, warps in launches:
-        ms = _time_ms(lambda: gla_decode_inplace(pool, slots, keep, q, k, v, gamma, bv, warps))
-        out[f"BV={bv} warps={warps}"] = (ms, gb / ms)
+    for bv, warps, bk in launches:
+        ms = _time_ms(lambda: gla_decode_inplace(pool, slots, keep, q, k, v, gamma, bv, warps, bk))
+        out[f"BV={bv} warps={warps} BK={bk or 'all'}"] = (ms, gb / ms)
     return out
 
 

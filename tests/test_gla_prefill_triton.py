@@ -27,7 +27,8 @@ U32 = 2.0 ** -24
 def interpret(monkeypatch):
     from triton.runtime.interpreter import InterpretedFunction
     import triton.language.standard as std
-    kernels = (gpt._gla_prefill_kernel, conv_triton._conv_prefill_kernel, gla_triton._gla_decode_kernel,
+    kernels = (gpt._gla_prefill_kernel, conv_triton._conv_prefill_kernel,
+               gla_triton._gla_decode_kernel,
                mix_triton._mix_post_kernel, std.sum)
     assert all(isinstance(k, InterpretedFunction) for k in kernels), \
         "triton or export's Triton kernels were imported before TRITON_INTERPRET=1 was set (conftest, this module)"
@@ -83,6 +84,47 @@ def test_gla_reference_is_the_step_recurrence():
         ot, st = gla_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], gamma, st)
         assert torch.allclose(o[t], ot[0].double(), rtol=1e-5, atol=1e-6)   # gla_step is float32
     assert torch.allclose(s, st.double(), rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- the decode GLA kernel alone
+
+@pytest.mark.parametrize("block_k,block_v", [(None, 64), (8, 16)])
+def test_gla_decode_vs_float64(block_k, block_v):
+    """One decode step of `gla_decode_inplace` against the float64 step, elementwise within a bound
+    derived from its float32 arithmetic.  K = 24 is padded to 32 in one block (block_k None) or
+    taken in three unrolled blocks of 8; V = 40 leaves masked columns in the last block.  The pool
+    is a strided view inside pages; pages of keep-False rows hold NaN (must not leak); three
+    CUDA-graph padding rows share slot 0; no other byte changes."""
+    g = torch.Generator().manual_seed(21)
+    H, K, V, S, B, pad = 3, 24, 40, 16, 7, 3
+    raw = torch.randn(S, 6 + H * K * V + 2, generator=g)
+    pool = raw[:, 6:6 + H * K * V].unflatten(1, (H, K, V))
+    slots = torch.randperm(S - 1, generator=g)[:B] + 1
+    keep = torch.tensor([i % 3 != 1 for i in range(B)])
+    pool[slots[~keep]] = float("nan")
+    before = raw.clone()
+    q, k, v = (torch.randn(B + pad, H, d, generator=g) for d in (K, K, V))
+    gamma = gla_triton.check_gamma(H, "cpu")
+    o = gla_triton.gla_decode_inplace(pool, torch.cat([slots, torch.zeros(pad, dtype=slots.dtype)]),
+                                      torch.cat([keep, torch.zeros(pad, dtype=torch.bool)]), q, k, v, gamma,
+                                      block_v=block_v, block_k=block_k)
+    lam = torch.exp(gamma.double()).view(1, H, 1, 1)
+    s0 = torch.where(keep.view(-1, 1, 1, 1), before[slots, 6:6 + H * K * V].view(B, H, K, V).double(), 0.0)
+    kv = k[:B].double()[..., None] * v[:B].double()[..., None, :]
+    s1 = lam * s0 + kv
+    qd = q[:B].double()[..., None]
+    want_o = (s1 * qd).sum(-2) * K ** -0.5
+    # state: λ (exp, ~1 ulp) times s, the product k v, their sum: a few roundings of each term
+    s_tol = 4 * U32 * ((lam * s0).abs() + kv.abs())
+    assert ((pool[slots].double() - s1).abs() <= s_tol).all()
+    # o: a float32 dot of K terms over the rounded state (in either order), then the scale
+    mag = (s1.abs() * qd.abs()).sum(-2)
+    o_tol = K ** -0.5 * (2 * f32_sum_err(K, mag) + (s_tol * qd.abs()).sum(-2)) + 2 * U32 * want_o.abs()
+    assert ((o[:B].double() - want_o).abs() <= o_tol).all()
+    other = torch.ones_like(raw, dtype=torch.bool)
+    other[slots, 6:6 + H * K * V] = False
+    other[0] = False              # the null slot: the padding rows' scratch
+    assert torch.equal(raw.view(torch.int32)[other], before.view(torch.int32)[other])
 
 
 # ----------------------------------------------------------------------------- the conv kernel alone
