@@ -12,6 +12,8 @@ runs: CUDA).  Writes DIR/profile_prefill_{torch,triton}.txt and DIR/profile_deco
 by self device time) and DIR/profile.json: per phase the wall time of the profiled region and the
 device time split by kernel kind (GEMM, Triton, copies, ...), and first `path_agreement`: the
 Triton decode and prefill paths against the torch prefill on the same tokens' log-probabilities.
+Each profiled region also runs once with no profiler (wall time alone), and the decode steps once
+more under cProfile: DIR/profile_decode_host.txt, where the host's time goes between kernels.
 --decode-width 0 skips the decode profile.
 """
 import argparse
@@ -78,6 +80,39 @@ def profiled(fn, cuda: bool):
     return prof, wall
 
 
+def host_profiled(fn, path: Path, top: int = 35) -> float:
+    """Runs fn() under cProfile and writes the top host functions by own and by cumulative time to
+    `path` (time a function spends blocked on the GPU, e.g. in a synchronize or a .tolist() of a
+    device tensor, is its own time).  Returns the wall seconds."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    fn()
+    prof.disable()
+    wall = time.perf_counter() - t0
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    for key in ("tottime", "cumulative"):
+        stats.sort_stats(key).print_stats(top)
+    path.write_text(text.getvalue())
+    return wall
+
+
+def timed(fn, cuda: bool) -> float:
+    """Wall seconds of fn() with no profiler attached."""
+    import torch
+
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def decode_steps(llm, width: int, prompt_len: int, steps: int):
     """Adds `width` short requests, steps the engine until every request has its first token (all
     prefills done), then returns a function that runs `steps` pure decode steps."""
@@ -85,7 +120,7 @@ def decode_steps(llm, width: int, prompt_len: int, steps: int):
     from vllm.inputs import TokensPrompt
 
     eng = llm.llm_engine
-    sp = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True, detokenize=False)
+    sp = SamplingParams(temperature=0.0, max_tokens=3 * steps + 64, ignore_eos=True, detokenize=False)
     ids = [f"dec-{i}" for i in range(width)]
     for rid, p in zip(ids, make_prompts(width, prompt_len, seed=5)):
         eng.add_request(rid, TokensPrompt(prompt_token_ids=p), sp)
@@ -198,7 +233,9 @@ def main(argv=None) -> int:
         llm.generate(prompts, sp, use_tqdm=False)                          # this path's warm-up
         prof, wall = profiled(lambda: llm.generate(prompts, sp, use_tqdm=False), cuda)
         row = res[f"prefill_{path}"] = summarize(prof, wall, 1)
-        row.update(tokens=a.prefill_seqs * a.prompt_len, tok_per_s=a.prefill_seqs * a.prompt_len / wall)
+        bare = timed(lambda: llm.generate(prompts, sp, use_tqdm=False), cuda)
+        row.update(tokens=a.prefill_seqs * a.prompt_len, tok_per_s=a.prefill_seqs * a.prompt_len / wall,
+                   wall_ms_unprofiled=1e3 * bare, tok_per_s_unprofiled=a.prefill_seqs * a.prompt_len / bare)
         (out / f"profile_prefill_{path}.txt").write_text(table(prof))
         log(f"prefill ({path} path) {a.prefill_seqs} x {a.prompt_len}: {row}")
     os.environ.pop("LAPLACE_VLLM_TRITON")
@@ -210,9 +247,12 @@ def main(argv=None) -> int:
 
     run, done = decode_steps(llm, a.decode_width, 16, a.decode_steps)
     prof, wall = profiled(run, cuda)
+    bare = timed(run, cuda)
+    host = host_profiled(run, out / "profile_decode_host.txt")
     done()
     res["decode"] = summarize(prof, wall, a.decode_steps)
-    res["decode"]["width"] = a.decode_width
+    res["decode"].update(width=a.decode_width, wall_ms_per_step_unprofiled=1e3 * bare / a.decode_steps,
+                         wall_ms_per_step_cprofile=1e3 * host / a.decode_steps)
     (out / "profile_decode.txt").write_text(table(prof))
     log(f"decode width {a.decode_width}: {res['decode']}")
     (out / "profile.json").write_text(json.dumps(res, indent=2) + "\n")
