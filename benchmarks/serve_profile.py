@@ -65,22 +65,28 @@ def table(prof) -> str:
     return prof.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=90)
 
 
+def timed(fn, cuda: bool) -> float:
+    """Wall seconds of fn() (after the GPU has finished)."""
+    import torch
+
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def profiled(fn, cuda: bool):
     """Runs fn() under the torch profiler; returns (profiler, wall seconds)."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        wall = timed(fn, cuda)
     return prof, wall
 
 
-def host_profiled(fn, path: Path, top: int = 35) -> float:
+def host_profiled(fn, path: Path, cuda: bool, top: int = 35) -> float:
     """Runs fn() under cProfile and writes the top host functions by own and by cumulative time to
     `path` (time a function spends blocked on the GPU, e.g. in a synchronize or a .tolist() of a
     device tensor, is its own time).  Returns the wall seconds."""
@@ -89,28 +95,15 @@ def host_profiled(fn, path: Path, top: int = 35) -> float:
     import pstats
 
     prof = cProfile.Profile()
-    t0 = time.perf_counter()
     prof.enable()
-    fn()
+    wall = timed(fn, cuda)
     prof.disable()
-    wall = time.perf_counter() - t0
     text = io.StringIO()
     stats = pstats.Stats(prof, stream=text)
     for key in ("tottime", "cumulative"):
         stats.sort_stats(key).print_stats(top)
     path.write_text(text.getvalue())
     return wall
-
-
-def timed(fn, cuda: bool) -> float:
-    """Wall seconds of fn() with no profiler attached."""
-    import torch
-
-    t0 = time.perf_counter()
-    fn()
-    if cuda:
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
 def decode_steps(llm, width: int, prompt_len: int, steps: int):
@@ -248,7 +241,7 @@ def main(argv=None) -> int:
     run, done = decode_steps(llm, a.decode_width, 16, a.decode_steps)
     prof, wall = profiled(run, cuda)
     bare = timed(run, cuda)
-    host = host_profiled(run, out / "profile_decode_host.txt")
+    host = host_profiled(run, out / "profile_decode_host.txt", cuda)
     done()
     res["decode"] = summarize(prof, wall, a.decode_steps)
     res["decode"].update(width=a.decode_width, wall_ms_per_step_unprofiled=1e3 * bare / a.decode_steps,

@@ -27,8 +27,7 @@ U32 = 2.0 ** -24
 def interpret(monkeypatch):
     from triton.runtime.interpreter import InterpretedFunction
     import triton.language.standard as std
-    kernels = (gpt._gla_prefill_kernel, conv_triton._conv_prefill_kernel,
-               gla_triton._gla_decode_kernel,
+    kernels = (gpt._gla_prefill_kernel, conv_triton._conv_prefill_kernel, gla_triton._gla_decode_kernel,
                mix_triton._mix_post_kernel, std.sum)
     assert all(isinstance(k, InterpretedFunction) for k in kernels), \
         "triton or export's Triton kernels were imported before TRITON_INTERPRET=1 was set (conftest, this module)"
