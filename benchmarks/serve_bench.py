@@ -958,8 +958,7 @@ def engine_kwargs(a, folder: Path, has_tok: bool, max_seqs: int, max_len: int, c
     """vllm.LLM arguments: the same for every model of a run (only `folder` differs)."""
     kw = dict(model=str(folder), dtype=a.dtype, max_num_seqs=max_seqs, max_model_len=max_len,
               max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=False, seed=0,
-              enforce_eager=a.enforce_eager or a.smoke, skip_tokenizer_init=not has_tok,
-              disable_log_stats=False)
+              enforce_eager=a.enforce_eager or a.smoke, skip_tokenizer_init=not has_tok)
     if cuda:
         kw["gpu_memory_utilization"] = a.gpu_mem
         # vLLM captures decode CUDA graphs only up to 512 sequences by default; a Laplace decode step is

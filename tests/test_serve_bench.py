@@ -226,3 +226,15 @@ def test_serve_bench_peer_smoke(tmp_path):
     md = (out / "serve_bench.md").read_text()
     assert "| shape | laplace e2e | llama e2e | ratio |" in md
     assert all(f"| {n}x{length}x{new} |" in md for n, length, new in shapes)
+
+
+def test_engine_kwargs_keep_vllm_stat_logging_default(tmp_path):
+    """serve_bench leaves per-request stat logging at vllm.LLM's default (off): forcing it on cost
+    3.5 % of the 1,280 x 2,048 x 256 run on an H200 (BENCHMARKS.md, run S9). --llm-kwargs still wins."""
+    a = serve_bench.parse_args(["--out", str(tmp_path)])
+    kw = serve_bench.engine_kwargs(a, tmp_path, True, 4, 64, cuda=True)
+    assert "disable_log_stats" not in kw
+    assert kw["max_num_batched_tokens"] == 16384 and not kw["enforce_eager"]
+    assert kw["compilation_config"] == {"max_cudagraph_capture_size": 4}
+    a = serve_bench.parse_args(["--out", str(tmp_path), "--llm-kwargs", '{"disable_log_stats": false}'])
+    assert serve_bench.engine_kwargs(a, tmp_path, True, 4, 64, cuda=True)["disable_log_stats"] is False
