@@ -643,26 +643,39 @@ def shape_measures(s: Shape, t: dict[str, float], half: bool) -> dict[str, tuple
     return m
 
 
-def shape_phase(llm, s: Shape, half: bool, rows: Rows, seed: int) -> dict:
+def shape_phase(llm, s: Shape, half: bool, rows: Rows, seed: int, repeats: int = 1) -> dict:
     """A (new_tokens), H (new_tokens // 2, with `half`) and B (1 token) on the same s.requests prompts
     of s.prompt_len tokens (`seed`: the same prompts for every model), after a 4-request warm-up at
-    this prompt length; each measure is a row as soon as its timings are in."""
+    this prompt length.  `repeats` rounds of A, (H,) B, interleaved so that a slow spell of the machine
+    falls on all of them; each timing is the median of its rounds, and each measure is a row as soon
+    as the last round has its timings."""
     n, length, new = s
     timed_generate(llm, make_prompts(min(4, n), length, seed=99), 4, f"{s} warm-up")
     prompts = make_prompts(n, length, seed)
+    keys = [("A", new)] + ([("H", new // 2)] if half else []) + [("B", 1)]
+    runs: dict[str, list[float]] = {key: [] for key, _ in keys}
     t, added = {}, set()
-    for key, k in [("A", new)] + ([("H", new // 2)] if half else []) + [("B", 1)]:
-        t[key], ids = timed_generate(llm, prompts, k, f"{s} {key} (generate {k})")
-        rows.add(shape_row(f"t{key}", s), round(t[key], 3), f"s ({k} new token{'s' * (k > 1)})")
-        if key == "A":   # timed_generate checked each output; the total, for the record
-            rows.add(shape_row("output tokens", s), sum(map(len, ids)), f"(requests x new_tokens = {n * new})")
-        for m, (v, unit) in shape_measures(s, t, half).items():
-            if m not in added:
-                rows.add(shape_row(m, s), v, unit)
-                added.add(m)
+    for r in range(repeats):
+        for key, k in keys:
+            what = f"{s} {key} (generate {k})" + (f" round {r + 1}/{repeats}" if repeats > 1 else "")
+            dt, ids = timed_generate(llm, prompts, k, what)
+            runs[key].append(dt)
+            if r < repeats - 1:
+                continue
+            t[key] = statistics.median(runs[key])
+            unit = f"s ({k} new token{'s' * (k > 1)})"
+            if repeats > 1:
+                unit += f", median of {repeats}: " + ", ".join(f"{x:.3f}" for x in runs[key])
+            rows.add(shape_row(f"t{key}", s), round(t[key], 3), unit)
+            if key == "A":   # timed_generate checked each output; the total, for the record
+                rows.add(shape_row("output tokens", s), sum(map(len, ids)), f"(requests x new_tokens = {n * new})")
+            for m, (v, unit) in shape_measures(s, t, half).items():
+                if m not in added:
+                    rows.add(shape_row(m, s), v, unit)
+                    added.add(m)
     if DECODE not in added:
         rows.add(shape_row(DECODE, s), f"n/a (tA <= t{'H' if half else 'B'})", "")
-    return {"t": t, **{m: v for m, (v, _) in shape_measures(s, t, half).items()}}
+    return {"t": t, "runs": runs, **{m: v for m, (v, _) in shape_measures(s, t, half).items()}}
 
 
 def run_model(a) -> int:
@@ -701,7 +714,7 @@ def run_model(a) -> int:
     if a.model_kind == "laplace":
         pool_rows(llm, cfg, rows, results)
     for i, s in enumerate(a.shapes):
-        results["shapes"][str(s)] = shape_phase(llm, s, not a.no_half, rows, seed=1 + i)
+        results["shapes"][str(s)] = shape_phase(llm, s, not a.no_half, rows, seed=1 + i, repeats=a.repeats)
     stop_engine(llm)
     (out / "serve_bench.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     shutil.rmtree(work, ignore_errors=True)
@@ -740,7 +753,8 @@ def child_argv(a, kind: str) -> list[str]:
     """This script for one model of the comparison, with the engine settings of this run."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--model-kind", kind, "--out", str(Path(a.out) / kind),
             "--shapes", ",".join(map(str, a.shapes)), "--dtype", a.dtype, "--gpu-mem", str(a.gpu_mem),
-            "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--llm-kwargs", json.dumps(a.llm_kwargs)]
+            "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--llm-kwargs", json.dumps(a.llm_kwargs),
+            "--repeats", str(a.repeats)]
     argv += [flag for flag, on in (("--smoke", a.smoke), ("--enforce-eager", a.enforce_eager),
                                    ("--no-half", a.no_half)) if on]
     folder = a.model_dir if kind == "laplace" else a.peer_dir
@@ -874,6 +888,9 @@ def parse_args(argv=None):
     ap.add_argument("--peer-dir", default=None, help="where to build (or reuse) the random peer")
     ap.add_argument("--no-half", action="store_true",
                     help="comparison mode: no H run; decode step = (tA - tB)/(new - 1)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="comparison mode: rounds of the timed runs per shape, interleaved; each timing "
+                         "is their median (one run's decode part can differ from the next by 5 %%)")
     ap.add_argument("--model-kind", choices=["laplace", "llama"], default=None,
                     help="internal: the child process of a comparison, one model")
     a = ap.parse_args(argv)
@@ -890,6 +907,8 @@ def parse_args(argv=None):
         ap.error("--new-tokens must be >= 2 (the decode phase is new_tokens - 1 steps)")
     if a.step_new_tokens < 2 or a.step_requests < 1 or a.step_repeats < 1:
         ap.error("--step-new-tokens must be >= 2, --step-requests and --step-repeats >= 1")
+    if a.repeats < 1:
+        ap.error("--repeats must be >= 1")
     if a.model_kind and a.peer:
         ap.error("--model-kind runs one model: no --peer")
     if a.shapes is None and (a.peer or a.model_kind):

@@ -190,16 +190,18 @@ def test_comparison_ratio_rows(tmp_path):
 
 @pytest.mark.slow
 def test_serve_bench_peer_smoke(tmp_path):
-    """--smoke --peer llama --shapes: both models, each in its own child process and vLLM engine, on
-    the same shapes; rows for both, the ratios = laplace/llama of those rows, the peer folder a tiny Llama."""
+    """--smoke --peer llama --shapes --repeats 3: both models, each in its own child process and vLLM
+    engine, on the same shapes; rows for both (timings the medians of three rounds), the ratios =
+    laplace/llama of those rows, the peer folder a tiny Llama."""
     out, peer = tmp_path / "out", tmp_path / "peer"
     shapes = [(2, 24, 8), (3, 40, 6)]
     cmd = [sys.executable, str(BENCHMARKS / "serve_bench.py"), "--smoke", "--peer", "llama", "--out", str(out),
-           "--shapes", ",".join("x".join(map(str, s)) for s in shapes), "--peer-dir", str(peer)]
+           "--shapes", ",".join("x".join(map(str, s)) for s in shapes), "--peer-dir", str(peer), "--repeats", "3"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_env(), cwd=ROOT)
     assert p.returncode == 0, f"serve_bench failed (rc={p.returncode}):\n{p.stdout[-6000:]}\n{p.stderr[-4000:]}"
     res = json.loads((out / "serve_bench.json").read_text())
     rows = {r["name"]: r["value"] for r in res["rows"]}
+    units = {r["name"]: r["unit"] for r in res["rows"]}
     measures = {"end-to-end output throughput": "end-to-end", "prefill throughput": "prefill",
                 "decode-phase output throughput": "decode"}
     for n, length, new in shapes:
@@ -209,6 +211,10 @@ def test_serve_bench_peer_smoke(tmp_path):
             for m in [*measures, "decode step time", "tA", "tH", "tB"]:
                 v = rows[f"{kind}: {m}, {s}"]
                 assert isinstance(v, (int, float)) and math.isfinite(v) and v > 0, (kind, m, s, v)
+            for key in "AHB":   # --repeats 3: each timing is the median of its three rounds
+                unit = units[f"{kind}: t{key}, {s}"]
+                runs = [float(x) for x in unit.split("median of 3: ")[1].split(", ")]
+                assert len(runs) == 3 and rows[f"{kind}: t{key}, {s}"] == round(sorted(runs)[1], 3), unit
         for m, short in measures.items():
             ratio = rows[f"ratio laplace/llama {short} {s}"]
             assert ratio == pytest.approx(rows[f"laplace: {m}, {s}"] / rows[f"llama: {m}, {s}"], rel=1e-12)
