@@ -663,10 +663,10 @@ def shape_phase(llm, s: Shape, half: bool, rows: Rows, seed: int, repeats: int =
             if r < repeats - 1:
                 continue
             t[key] = statistics.median(runs[key])
-            unit = f"s ({k} new token{'s' * (k > 1)})"
+            t_unit = f"s ({k} new token{'s' * (k > 1)})"
             if repeats > 1:
-                unit += f", median of {repeats}: " + ", ".join(f"{x:.3f}" for x in runs[key])
-            rows.add(shape_row(f"t{key}", s), round(t[key], 3), unit)
+                t_unit += f", median of {repeats}: " + ", ".join(f"{x:.3f}" for x in runs[key])
+            rows.add(shape_row(f"t{key}", s), round(t[key], 3), t_unit)
             if key == "A":   # timed_generate checked each output; the total, for the record
                 rows.add(shape_row("output tokens", s), sum(map(len, ids)), f"(requests x new_tokens = {n * new})")
             for m, (v, unit) in shape_measures(s, t, half).items():
