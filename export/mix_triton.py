@@ -58,7 +58,7 @@ if triton is not None:
         # torch's order: (q · a) · k, then the sum over K
         aug = tl.sigmoid(tl.sum(q * a[None, :] * k, axis=1))                          # [BT]
         v = tl.load(v_ptr + rows[:, None] * sv_t + h * sv_h + rv[None, :], mask=mtv, other=0.0).to(tl.float32)
-        o = tl.load(o_ptr + rows[:, None] * so_t + h * so_h + rv[None, :], mask=mtv, other=0.0)
+        o = tl.load(o_ptr + rows[:, None] * so_t + h * so_h + rv[None, :], mask=mtv, other=0.0).to(tl.float32)
         o = o + aug[:, None] * v
         # padded columns are 0 (masked loads), so the sum is over the V real ones; mean = sum / V
         ms = tl.sum(o * o, axis=1) / V
@@ -77,7 +77,8 @@ def mixer_post_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     """`mixer_post(q, k, v, g, o, ...)` reshaped to [N, H·V] and cast to `out_dtype`, in one pass.
 
     q, k [N, H, K]; v, g [N, H, V] (bf16, float16 or float32, each its own; any strides, last-dim
-    stride 1 used as is); o [N, H, V] float32; aug_balance [H, K]; head_norm [T, V] with T
+    stride 1 used as is); o [N, H, V] (float32 or the GLA kernels' bf16 / float16 output, upcast
+    inside); aug_balance [H, K]; head_norm [T, V] with T
     dividing H (head h uses row h // (H / T)); eps: the RMSNorm epsilon.  Returns y [N, H·V]
     (contiguous) in out_dtype.  block_t, num_warps: launch settings."""
     if triton is None:
@@ -89,8 +90,8 @@ def mixer_post_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
             or tuple(o.shape) != (N, H, V):
         raise ValueError(f"shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
                          f"g {tuple(g.shape)} o {tuple(o.shape)}: want [N, H, K] ×2, [N, H, V] ×3")
-    if o.dtype != torch.float32:
-        raise ValueError(f"o is {o.dtype}: want float32 (the GLA kernels' output)")
+    if o.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"o is {o.dtype}: want float32, bfloat16 or float16 (the GLA kernels' output)")
     if tuple(aug_balance.shape) != (H, K) or head_norm.shape[1] != V or H % T:
         raise ValueError(f"aug_balance {tuple(aug_balance.shape)}, head_norm {tuple(head_norm.shape)}: "
                          f"want [{H}, {K}] and [T, {V}] with T dividing {H}")
@@ -170,9 +171,9 @@ def error_bound(q, k, v, g, o, aug_balance, head_norm, eps, out_dtype: torch.dty
 
 def random_inputs(N: int, H: int = 16, K: int = 96, V: int = 192, T: int = 4,
                   dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
-                  seed: Optional[int] = None) -> tuple:
+                  seed: Optional[int] = None, o_dtype: torch.dtype = torch.float32) -> tuple:
     """q, k, v, g as strided views of one [N + 3, H·(2K + 2V)] projection in `dtype` (as the mixer
-    splits it; 3 extra rows so the views do not end the buffer), o [N, H, V] float32 (a strided
+    splits it; 3 extra rows so the views do not end the buffer), o [N, H, V] in o_dtype (a strided
     view too), aug_balance [H, K], head_norm [T, V] float32 (random, not the ones/zeros of a fresh
     model), eps.  Returns (q, k, v, g, o, aug_balance, head_norm, eps)."""
     from export.torch_model import split_heads
@@ -180,7 +181,7 @@ def random_inputs(N: int, H: int = 16, K: int = 96, V: int = 192, T: int = 4,
     g_ = torch.Generator(device="cpu").manual_seed(_fresh_seed() if seed is None else seed)
     proj = torch.randn(N + 3, H * (2 * K + 2 * V), generator=g_).to(device=device, dtype=dtype)[:N]
     q, k, v, g = split_heads(proj, H, K, V)
-    o = torch.randn(N, H, V + 5, generator=g_).to(device)[..., 2:2 + V]
+    o = torch.randn(N, H, V + 5, generator=g_).to(device=device, dtype=o_dtype)[..., 2:2 + V]
     aug_balance = (0.3 * torch.randn(H, K, generator=g_)).to(device)
     head_norm = (1 + 0.2 * torch.randn(T, V, generator=g_)).to(device)
     return q, k, v, g, o, aug_balance, head_norm, 1e-5
@@ -188,10 +189,10 @@ def random_inputs(N: int, H: int = 16, K: int = 96, V: int = 192, T: int = 4,
 
 def mix_error(N: int, H: int = 16, K: int = 96, V: int = 192, T: int = 4,
               dtype: torch.dtype = torch.bfloat16, out_dtype: torch.dtype = torch.bfloat16,
-              device: str = "cuda", seed: Optional[int] = None) -> float:
+              device: str = "cuda", seed: Optional[int] = None, o_dtype: torch.dtype = torch.float32) -> float:
     """max |y − y64| / error_bound over y [N, H·V] for `mixer_post_fused` on `random_inputs`:
     ≤ 1 passes.  inf where y is not finite."""
-    args = random_inputs(N, H, K, V, T, dtype, device, seed)
+    args = random_inputs(N, H, K, V, T, dtype, device, seed, o_dtype)
     return error_ratio(mixer_post_fused(*args, out_dtype), args, out_dtype)
 
 
@@ -226,8 +227,8 @@ def check_mix_kernel(device: str = "cuda", sizes=(1, 17, 1280, 16384),
 def bench_mix_kernel(device: str = "cuda", sizes=(16384, 1280), H: int = 16, K: int = 96, V: int = 192,
                      T: int = 4, configs=((8, 4), (4, 4), (16, 4), (16, 8), (2, 2))) -> dict:
     """Time the post-GLA part at the 3B head shape: bf16 q, k, v, g views of the projection and
-    float32 o, bf16 output (the prefill path; N=1280 the decode width), and float32 views at
-    N=1280 (what the decode path's step_in returns).
+    float32 o, bf16 output (N=1280 the decode width), float32 views at N=1280, and bf16 o at
+    sizes[0] (the prefill path's).
 
     "torch": `mixer_post` (g upcast, as the prefill path) + reshape + cast to bf16; "triton BT/warps":
     `mixer_post_fused` per launch config.  Returns {f"{name} N={N} {dtype}": ms} plus a "ratio" row
@@ -235,9 +236,10 @@ def bench_mix_kernel(device: str = "cuda", sizes=(16384, 1280), H: int = 16, K: 
     from export.torch_model import mixer_post
 
     out = {}
-    for N, dt in [(n, torch.bfloat16) for n in sizes] + [(1280, torch.float32)]:
-        q, k, v, g, o, a, w, eps = random_inputs(N, H, K, V, T, dt, device)
-        tag = f"N={N} {str(dt)[6:]}"
+    cases = [(n, torch.bfloat16, torch.float32) for n in sizes] + [(1280, torch.float32, torch.float32)]
+    for N, dt, odt in cases + [(sizes[0], torch.bfloat16, torch.bfloat16)]:    # last: the prefill path's bf16 o
+        q, k, v, g, o, a, w, eps = random_inputs(N, H, K, V, T, dt, device, o_dtype=odt)
+        tag = f"N={N} {str(dt)[6:]}" + (" o bf16" if odt == torch.bfloat16 else "")
         out[f"torch {tag}"] = _time_ms(
             lambda: mixer_post(q, k, v, g.float(), o, a, w, eps).reshape(N, -1).to(torch.bfloat16))
         best = float("inf")

@@ -60,13 +60,22 @@ def test_gla_prefill_3b_head_shape():
 
 
 @pytest.mark.parametrize("precision", ["tf32", "bf16"])
-def test_gla_prefill_bf16_inputs(precision):
-    """bf16 q, k, v.  The interpreter multiplies tf32 operands in float32 (so ieee's bound holds
-    there), and emulates bf16 operands exactly (rounded to bf16, exact products)."""
-    e = gpt.prefill_errors("cpu", lengths=(1, 15, 17, 40), dtype=torch.bfloat16, precision=precision, **SMALL)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["o_f32", "o_bf16"])
+def test_gla_prefill_bf16_inputs(precision, out_dtype):
+    """bf16 q, k, v; o in float32 or, as the vLLM mixer asks for it, bf16 (plus its rounding).
+    The interpreter multiplies tf32 operands in float32 (so ieee's bound holds there), and
+    emulates bf16 operands exactly (rounded to bf16, exact products)."""
+    e = gpt.prefill_errors("cpu", lengths=(1, 15, 17, 40), dtype=torch.bfloat16, precision=precision,
+                           out_dtype=out_dtype, **SMALL)
     assert e["changed"] == 0, e
-    tol = gpt.tolerance("ieee" if precision == "tf32" else "bf16", SMALL["chunk"], SMALL["K"])
-    assert max(e["o"], e["state"]) <= tol, e
+    assert gpt.within_tolerance(e, "ieee" if precision == "tf32" else "bf16", out_dtype,
+                                SMALL["chunk"], SMALL["K"]), e
+
+
+def test_gla_prefill_out_dtype_is_float32_or_q_dtype():
+    """o in another dtype than float32 or q's would be a silent extra rounding: refused."""
+    with pytest.raises(ValueError, match="out_dtype torch.float16"):
+        gpt.prefill_errors("cpu", lengths=(3,), dtype=torch.bfloat16, out_dtype=torch.float16, **SMALL)
 
 
 def test_gla_reference_is_the_step_recurrence():

@@ -33,6 +33,15 @@ def test_3b_heads(N, dtype, out_dtype):
     assert mix_triton.mix_error(N, 16, 96, 192, 4, dtype, out_dtype, "cpu") <= 1.0
 
 
+@pytest.mark.parametrize("N", [1, 9, 33])
+def test_3b_heads_bf16_o(N):
+    """The prefill path's inputs: bf16 q, k, v, g and the GLA kernel's bf16 o (upcast inside;
+    the bound takes o as given), bf16 and float32 out."""
+    for out_dtype in DTYPES:
+        assert mix_triton.mix_error(N, 16, 96, 192, 4, torch.bfloat16, out_dtype, "cpu",
+                                    o_dtype=torch.bfloat16) <= 1.0
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["in_bf16", "in_f32"])
 @pytest.mark.parametrize("N", [1, 7, 17])
 def test_small_odd_heads(N, dtype):
