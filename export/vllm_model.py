@@ -123,26 +123,30 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
         if n < output.shape[0]:
             output[n:].zero_()
         fast = gla_triton.available(xn)   # the Triton kernels (CUDA, triton installed, not switched off)
-        if nd > 0:   # no host sync here: a decode-only batch may be captured in a full CUDA graph
-            output[:nd] = self._decode(xn[:nd], conv_pool, gla_pool, slots[:nd], has_ctx[:nd], fast).to(output.dtype)
+        if nd > 0 and fast:   # no host sync here: a decode-only batch may be captured in a full CUDA graph
+            self._decode_fast(xn[:nd], conv_pool, gla_pool, slots[:nd], has_ctx[:nd], output[:nd])
+        elif nd > 0:
+            output[:nd] = self._decode(xn[:nd], conv_pool, gla_pool, slots[:nd], has_ctx[:nd]).to(output.dtype)
         if npf > 0 and fast:
             t0 = int(md.num_decode_tokens)     # prefill tokens follow the decode tokens
             cu = qsl[nd:] - qsl[nd]
-            output[t0:n] = self._prefill_packed(xn[t0:n], conv_pool, gla_pool, slots[nd:nreq],
-                                                has_ctx[nd:nreq], cu).to(output.dtype)
+            self._prefill_packed(xn[t0:n], conv_pool, gla_pool, slots[nd:nreq], has_ctx[nd:nreq], cu,
+                                 output[t0:n])
         elif npf > 0:
             self._prefill(xn, output, conv_pool, gla_pool, slots, has_ctx,
                           _prefill_groups(md, qsl, has_ctx, nd, nreq, self.chunk, self.H * self.K * self.V))
 
-    def _decode(self, xn, conv_pool, gla_pool, sl, keep, fast: bool):
-        """One token per row: conv window and GLA state read from / written to the pool at slots sl
-        (fast: by the Triton kernels, in place)."""
-        if fast:
-            # forward_step as three kernels and two GEMMs, both states updated in the pool in place
-            u = conv_triton.conv_decode_inplace(conv_pool, sl, keep, xn, self.conv.weight, self.conv.bias)
-            q, k, v, g = self.heads(self.w_qkvg(u))
-            o = gla_triton.gla_decode_inplace(gla_pool, sl, keep, q, k, v, self.gamma)
-            return self._step_out_fused(q, k, v, g, o, xn.dtype)
+    def _decode_fast(self, xn, conv_pool, gla_pool, sl, keep, out) -> None:
+        """One token per row, `forward_step` as three Triton kernels and two GEMMs: conv window and
+        GLA state updated in the pool at slots sl in place; the mixer output written into out [B, D]."""
+        u = conv_triton.conv_decode_inplace(conv_pool, sl, keep, xn, self.conv.weight, self.conv.bias)
+        q, k, v, g = self.heads(self.w_qkvg(u))
+        o = gla_triton.gla_decode_inplace(gla_pool, sl, keep, q, k, v, self.gamma)
+        self._step_out_fused(q, k, v, g, o, out)
+
+    def _decode(self, xn, conv_pool, gla_pool, sl, keep):
+        """The torch decode path: conv window and GLA state gathered from the pool at slots sl
+        (zeros where keep is False), one forward_step, scattered back.  Returns [B, D]."""
         cs = torch.where(keep.view(-1, 1, 1), conv_pool[sl], 0.0)
         gs = torch.where(keep.view(-1, 1, 1, 1), gla_pool[sl], 0.0)
         o, cs, gs = self.forward_step(xn, cs, gs)
@@ -150,23 +154,27 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
         gla_pool[sl] = gs.to(gla_pool.dtype)
         return o
 
-    def _prefill_packed(self, x, conv_pool, gla_pool, sl, keep, cu):
+    def _prefill_packed(self, x, conv_pool, gla_pool, sl, keep, cu, out) -> None:
         """All prefill requests at once (Triton, in place on both pools, no host sync).
 
         x [T, D]: their tokens back to back, request r's at cu[r]:cu[r+1]; sl [R] slots; keep [R]
-        (False: a new sequence, zero states).  Returns the mixer output [T, D] in x's dtype."""
+        (False: a new sequence, zero states).  The mixer output is written into out [T, D]."""
         u = conv_triton.conv_prefill_inplace(conv_pool, sl, keep, x, self.conv.weight, self.conv.bias, cu)
         q, k, v, g = self.heads(self.w_qkvg(u))
-        # the kernel reads q, k, v straight from the projection (strided views, x's dtype)
+        # the kernel reads q, k, v straight from the projection (strided views, x's dtype).  o stays
+        # float32: a bf16 o (as JAX's chunk_simple_gla returns it) made the kernel slower than the
+        # fused post gained (H200, 8 × 2,048 tokens: 0.349 vs 0.279 ms, and 0.179 vs 0.197 ms;
+        # BENCHMARKS run S10)
         o = gla_prefill_triton.gla_prefill_inplace(gla_pool, sl, keep, q, k, v, self.gamma, cu)
-        return self._step_out_fused(q, k, v, g, o, x.dtype)
+        self._step_out_fused(q, k, v, g, o, out)
 
-    def _step_out_fused(self, q, k, v, g, o, dtype):
+    def _step_out_fused(self, q, k, v, g, o, out) -> None:
         """`step_out` with mixer_post as one Triton kernel (export/mix_triton.py): the same float32
-        math (q, k, v, g of any dtype upcast inside it), y [N, H·V] written in `dtype`, then w_out.
-        q, k [N, H, K], v, g [N, H, V] (views of the projection), o [N, H, V] float32."""
-        y = mix_triton.mixer_post_fused(q, k, v, g, o, self.aug_balance, self.head_norm, self.eps, dtype)
-        return self.w_out(y)
+        math (q, k, v, g, o of any float dtype upcast inside it), y [N, H·V] in out's dtype, then
+        w_out's GEMM straight into out [N, D] (a row block of the layer's output: no copy of the
+        result).  q, k [N, H, K], v, g [N, H, V] (views of the projection), o [N, H, V]."""
+        y = mix_triton.mixer_post_fused(q, k, v, g, o, self.aug_balance, self.head_norm, self.eps, out.dtype)
+        torch.mm(y, self.w_out.weight.t(), out=out)   # out: rows of torch.empty_like(x), contiguous
 
     def _prefill(self, xn, output, conv_pool, gla_pool, slots, has_ctx, groups):
         """Prefill requests of equal query length run as one batch: states gathered from the pool
