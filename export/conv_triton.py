@@ -11,13 +11,21 @@ zeros when keep[r] is False) and, as `torch_model.conv_with_state`,
 The kernel returns SiLU(u) (the mixer's next step, fused: one rounding to x's dtype instead of two)
 and writes W' to pool[slots[r]].
 
-One program per (request, block of BD channels) walks the request's tokens in blocks of BT, so the
-old window is read (by the first block and, for requests shorter than C, by the new window) before
-the same program overwrites it; a barrier orders those reads before the write across its threads.
+Each request's tokens are cut into segments of SEG = BT · seg_tiles tokens; program (r, channel
+block, s) walks segments s, s + S, s + 2S, ... of request r (S = the grid's third size), each in
+tiles of BT tokens. Only segment 0 reaches back into the old window (SEG >= C - 1), and the same
+program writes the new window after it, so the old window is read (by segment 0's first tile and,
+for requests shorter than C, by the new window) before it is overwritten; a barrier orders those
+reads before the write across the program's threads.  S is free (any S is exact): the launcher
+picks it so that one long prompt among short ones is not walked by a single program per channel
+block.  Tiles that start C - 1 or more tokens into their request read x only (no window loads,
+no per-row source masks).
 
 `conv_decode_inplace` is the same kernel for a decode step (one token per row) with one-token
 tiles: the prefill's 32-token tiles would be 31/32 masked rows there.
 """
+from typing import Optional
+
 import torch
 
 from export.gla_triton import triton, tl
@@ -25,10 +33,16 @@ from export.gla_triton import triton, tl
 # D = 3072: 48 channel blocks per request; each block of 32 tokens loads C shifted [32, 64] tiles
 # of x (the shifts hit L1/L2: about one read of x overall) and stores one.  On an H200 at 8 × 2,048
 # bf16 tokens: 0.226 ms a layer, against 0.246 for [64, 64] tiles and 0.35-0.50 for wider
-# channel blocks (`bench_conv_kernel`, BENCHMARKS run S7).
+# channel blocks (`bench_conv_kernel`, BENCHMARKS run S7); with segments, 4.15 ms a prefill step
+# in the engine = 0.173 ms a layer (run S10; the stand-alone bench spread ±30 % between leases).
 BLOCK_D = 64
 BLOCK_T = 32
 NUM_WARPS = 4
+# tokens per segment = BLOCK_T · SEG_TILES; at most SPLIT_CAP (request, segment-slot) pairs a launch
+# (× D / BLOCK_D channel blocks): 8 requests of 2,048 tokens get 32 slots each, 8 of which have a
+# segment, and one long prompt among short ones still gets 32-way parallelism.
+SEG_TILES = 8
+SPLIT_CAP = 256
 # decode: one token per row.  Run as one-token requests with the prefill tiles, the conv took
 # 16.8 ms a step at width 1,280 on an H200 (BENCHMARKS run S6); a [1, 512] tile moves the same bytes
 # with 1/64 of the masked work.
@@ -39,9 +53,11 @@ if triton is not None:
     def _conv_prefill_kernel(x_ptr, u_ptr, pool_ptr, slots_ptr, keep_ptr, cu_ptr, w_ptr, b_ptr,
                              sx_t, su_t, sp_slot, sp_c, sp_d, sw_d, sw_c,
                              D: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr,
-                             BT: tl.constexpr, SILU: tl.constexpr):
+                             BT: tl.constexpr, SEG: tl.constexpr, SILU: tl.constexpr):
         r = tl.program_id(0)
         rd = tl.program_id(1) * BD + tl.arange(0, BD)
+        seg0 = tl.program_id(2)
+        n_split = tl.num_programs(2)
         md = rd < D
         bos = tl.load(cu_ptr + r).to(tl.int64)
         eos = tl.load(cu_ptr + r + 1).to(tl.int64)
@@ -52,38 +68,48 @@ if triton is not None:
         bias = tl.load(b_ptr + rd, mask=md, other=0.0).to(tl.float32)
         rt = tl.arange(0, BT)
 
-        for t0 in range(bos, eos, BT):
-            rows = t0 + rt
-            mt = (rows < eos)[:, None] & md[None, :]
-            acc = tl.full((BT, BD), 0.0, tl.float32) + bias[None, :]     # (see SILU below)
-            for c in tl.static_range(C):
-                src = rows - (C - 1 - c)                                # the input this tap reads
-                in_x = (src >= bos)[:, None]
-                xs = tl.load(x_ptr + src[:, None] * sx_t + rd[None, :], mask=mt & in_x, other=0.0)
-                ws = tl.load(win + (C + src - bos)[:, None] * sp_c, mask=mt & (~in_x) & keep, other=0.0)
-                wc = tl.load(w_ptr + rd * sw_d + c * sw_c, mask=md, other=0.0).to(tl.float32)
-                acc += (xs.to(tl.float32) + ws) * wc[None, :]
-            # not tl.sigmoid / tl.zeros: jit functions of triton's own, which the interpreter runs
-            # only if triton itself was imported with TRITON_INTERPRET=1 (the tests cannot ensure it)
-            if SILU:
-                acc = acc / (1.0 + tl.exp(-acc))
-            tl.store(u_ptr + rows[:, None] * su_t + rd[None, :], acc.to(u_ptr.dtype.element_ty), mask=mt)
+        for s0 in range(bos + seg0 * SEG, eos, n_split * SEG):
+            for t0 in range(s0, tl.minimum(s0 + SEG, eos), BT):
+                rows = t0 + rt
+                mt = (rows < eos)[:, None] & md[None, :]
+                acc = tl.full((BT, BD), 0.0, tl.float32) + bias[None, :]     # (see SILU below)
+                if t0 - bos >= C - 1:
+                    # every tap of this tile reads x: no window loads, no per-row source masks
+                    for c in tl.static_range(C):
+                        xs = tl.load(x_ptr + (rows - (C - 1 - c))[:, None] * sx_t + rd[None, :], mask=mt, other=0.0)
+                        wc = tl.load(w_ptr + rd * sw_d + c * sw_c, mask=md, other=0.0).to(tl.float32)
+                        acc += xs.to(tl.float32) * wc[None, :]
+                else:
+                    for c in tl.static_range(C):
+                        src = rows - (C - 1 - c)                            # the input this tap reads
+                        in_x = (src >= bos)[:, None]
+                        xs = tl.load(x_ptr + src[:, None] * sx_t + rd[None, :], mask=mt & in_x, other=0.0)
+                        ws = tl.load(win + (C + src - bos)[:, None] * sp_c, mask=mt & (~in_x) & keep, other=0.0)
+                        wc = tl.load(w_ptr + rd * sw_d + c * sw_c, mask=md, other=0.0).to(tl.float32)
+                        acc += (xs.to(tl.float32) + ws) * wc[None, :]
+                # not tl.sigmoid / tl.zeros: jit functions of triton's own, which the interpreter runs
+                # only if triton itself was imported with TRITON_INTERPRET=1 (the tests cannot ensure it)
+                if SILU:
+                    acc = acc / (1.0 + tl.exp(-acc))
+                tl.store(u_ptr + rows[:, None] * su_t + rd[None, :], acc.to(u_ptr.dtype.element_ty), mask=mt)
 
-        # the new window: row j holds the input at eos - C + j (from the old window when before bos)
-        j = tl.arange(0, BC)
-        src = eos - C + j
-        in_x = (src >= bos)[:, None]
-        mj = (j < C)[:, None] & md[None, :]
-        xs = tl.load(x_ptr + src[:, None] * sx_t + rd[None, :], mask=mj & in_x, other=0.0)
-        ws = tl.load(win + (C + src - bos)[:, None] * sp_c, mask=mj & (~in_x) & keep, other=0.0)
-        new = xs.to(tl.float32) + ws
-        tl.debug_barrier()          # every thread's reads of the old window happen before the write
-        tl.store(win + j[:, None] * sp_c, new, mask=mj)
+        if seg0 == 0:
+            # the new window: row j holds the input at eos - C + j (from the old window when before bos)
+            j = tl.arange(0, BC)
+            src = eos - C + j
+            in_x = (src >= bos)[:, None]
+            mj = (j < C)[:, None] & md[None, :]
+            xs = tl.load(x_ptr + src[:, None] * sx_t + rd[None, :], mask=mj & in_x, other=0.0)
+            ws = tl.load(win + (C + src - bos)[:, None] * sp_c, mask=mj & (~in_x) & keep, other=0.0)
+            new = xs.to(tl.float32) + ws
+            tl.debug_barrier()      # every thread's reads of the old window happen before the write
+            tl.store(win + j[:, None] * sp_c, new, mask=mj)
 
 
 def conv_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor, x: torch.Tensor,
                          weight: torch.Tensor, bias: torch.Tensor, cu_seqlens: torch.Tensor,
-                         silu: bool = True, block_t: int = BLOCK_T, block_d: int = BLOCK_D) -> torch.Tensor:
+                         silu: bool = True, block_t: int = BLOCK_T, block_d: int = BLOCK_D,
+                         seg_tiles: int = SEG_TILES, n_split: Optional[int] = None) -> torch.Tensor:
     """Causal depthwise conv over the packed prefill tokens of R requests, continuing from and
     writing back their windows in the pool.
 
@@ -92,7 +118,8 @@ def conv_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Te
     x [T, D] (last-dim stride 1); weight [D, 1, C] (Conv1d layout); bias [D]; cu_seqlens [R + 1]
     integer, nondecreasing, cu_seqlens[R] <= T.  Returns SiLU(u) (u if not silu) [T, D] in x's
     dtype (rows outside every request are left uninitialised).  block_t, block_d: the tile
-    (powers of 2)."""
+    (powers of 2); seg_tiles: tiles per segment; n_split: programs per (request, channel block),
+    None: `default_split`."""
     if triton is None:
         raise RuntimeError("export.conv_triton: triton is not installed")
     T, D = x.shape
@@ -107,13 +134,26 @@ def conv_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Te
         return u
     x = x if x.stride(-1) == 1 else x.contiguous()
     block_d = min(block_d, triton.next_power_of_2(D))
-    grid = (R, triton.cdiv(D, block_d))
+    seg = block_t * seg_tiles
+    n_split = default_split(T, R, seg) if n_split is None else n_split
+    if n_split < 1 or (n_split > 1 and seg < C - 1):
+        raise ValueError(f"n_split={n_split} with {seg}-token segments: want n_split >= 1, and "
+                         f"segments of >= C - 1 = {C - 1} tokens when n_split > 1")
+    grid = (R, triton.cdiv(D, block_d), n_split)
     _conv_prefill_kernel[grid](
         x, u, pool, slots.contiguous(), keep.to(torch.int8).contiguous(), cu_seqlens.contiguous(),
         weight, bias, x.stride(0), u.stride(0), pool.stride(0), pool.stride(1), pool.stride(2),
         weight.stride(0), weight.stride(-1),
-        D=D, C=C, BC=triton.next_power_of_2(C), BD=block_d, BT=block_t, SILU=silu, num_warps=NUM_WARPS)
+        D=D, C=C, BC=triton.next_power_of_2(C), BD=block_d, BT=block_t, SEG=seg, SILU=silu,
+        num_warps=NUM_WARPS)
     return u
+
+
+def default_split(T: int, R: int, seg: int) -> int:
+    """Programs per (request, channel block) for R requests holding T tokens in all, from host
+    integers only (the lengths stay on the device: no sync): enough segment slots for a request
+    of all T tokens, at most SPLIT_CAP slots over the R requests."""
+    return max(1, min(-(-T // seg), SPLIT_CAP // max(R, 1)))
 
 
 def conv_decode_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor, x: torch.Tensor,
@@ -123,14 +163,17 @@ def conv_decode_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Ten
     windows are updated in place.  Padding rows may share the null slot 0 (their writes race
     there, harmlessly, as in gla_triton)."""
     cu = torch.arange(x.shape[0] + 1, device=x.device, dtype=torch.int32)
-    return conv_prefill_inplace(pool, slots, keep, x, weight, bias, cu, silu, block_t=1, block_d=DECODE_BLOCK_D)
+    return conv_prefill_inplace(pool, slots, keep, x, weight, bias, cu, silu, block_t=1, block_d=DECODE_BLOCK_D,
+                                seg_tiles=1, n_split=1)
 
 
 def bench_conv_kernel(prefill_tokens: int = 16384, width: int = 1280, D: int = 3072, C: int = 4,
-                      tiles=((64, 64), (32, 128), (16, 256), (64, 128), (32, 64))) -> dict:
+                      tiles=((32, 64, 8, 1), (32, 64, 8, None), (32, 64, 8, 8), (32, 64, 4, 16),
+                             (32, 64, 16, 4), (32, 64, 8, 64), (64, 64, 4, None), (16, 128, 16, None))) -> dict:
     """CUDA, bf16, the 3B width.  Prefill: `conv_prefill_inplace` on 8 requests of
-    prefill_tokens / 8 tokens per tile (block_t, block_d), and its HBM traffic (x read, u written)
-    in TB/s.  Decode at `width` rows: the torch decode path's window gather, `conv_step` and scatter
+    prefill_tokens / 8 tokens per launch setting (block_t, block_d, seg_tiles, n_split; n_split 1
+    is one program walking each request, None the default), and its HBM traffic (x read, u
+    written) in TB/s.  Decode at `width` rows: the torch decode path's window gather, `conv_step` and scatter
     against `conv_decode_inplace`."""
     from export.gla_prefill_triton import _time_ms
     from export.torch_model import conv_step
@@ -146,9 +189,12 @@ def bench_conv_kernel(prefill_tokens: int = 16384, width: int = 1280, D: int = 3
     cu = torch.arange(0, prefill_tokens + 1, prefill_tokens // R, device="cuda", dtype=torch.int32)
     x = torch.randn(prefill_tokens, D, generator=g).to("cuda", torch.bfloat16)
     gb = 2 * x.numel() * x.element_size() / 1e9
-    for bt, bd in tiles:
-        ms = _time_ms(lambda: conv_prefill_inplace(pool, slots, keep, x, w, b, cu, block_t=bt, block_d=bd))
-        out[f"prefill {prefill_tokens} tokens BT={bt} BD={bd}"] = (ms, gb / ms)
+    for bt, bd, st, ns in tiles:
+        ms = _time_ms(lambda: conv_prefill_inplace(pool, slots, keep, x, w, b, cu, block_t=bt, block_d=bd,
+                                                   seg_tiles=st, n_split=ns))
+        split = default_split(prefill_tokens, R, bt * st) if ns is None else ns
+        out[f"prefill {prefill_tokens} tokens BT={bt} BD={bd} seg={bt * st} split={split}"
+            + (" (default)" if ns is None else "")] = (ms, gb / ms)
     slots = (torch.randperm(width + 7, generator=g)[:width] + 1).cuda()
     keep = torch.ones(width, dtype=torch.bool, device="cuda")
     xd = x[:width]

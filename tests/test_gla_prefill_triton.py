@@ -137,7 +137,7 @@ def test_gla_decode_vs_float64(block_k, block_v):
 
 # ----------------------------------------------------------------------------- the conv kernel alone
 
-def _conv_case(lens, pad_rows=0, seed=11):
+def _conv_case(lens, pad_rows=0, seed=11, **launch):
     """The conv kernel on requests of `lens` tokens (all 1: conv_decode_inplace), `pad_rows` more
     rows at the null slot 0 with keep False, against torch conv_with_state per request (float32;
     requests shorter than the kernel take part of their window from the old one); NaN pages with
@@ -161,7 +161,7 @@ def _conv_case(lens, pad_rows=0, seed=11):
         assert pad_rows == 0
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
         x = torch.randn(int(cu[-1]) + 3, D, generator=g)
-        u = conv_triton.conv_prefill_inplace(pool, slots, keep, x, w, b, cu)
+        u = conv_triton.conv_prefill_inplace(pool, slots, keep, x, w, b, cu, **launch)
     for r in range(R):
         a, e = int(cu[r]), int(cu[r + 1])
         win = torch.where(keep[r], before[slots[r], 5:5 + C * D].view(C, D), 0.0)
@@ -181,6 +181,36 @@ def _conv_case(lens, pad_rows=0, seed=11):
 
 def test_conv_prefill_vs_conv_with_state():
     _conv_case([1, 2, 3, 4, 5, 70, 130])
+
+
+@pytest.mark.parametrize("launch", [dict(block_t=2, seg_tiles=2, n_split=3),     # 4-token segments
+                                    dict(block_t=4, seg_tiles=1, n_split=40),    # more slots than segments
+                                    dict(block_t=1, seg_tiles=3, n_split=2)])    # segment = C - 1 tokens
+def test_conv_prefill_split_segments(launch):
+    """Requests cut into segments of C - 1 tokens or more, walked by n_split programs each (the
+    130-token request: 33 segments over 3 programs in the first case), tiles at the request's
+    start (old window taps) and inside it (x only).  The interpreter runs a request's segment-0
+    program, which writes the new window, before the others: one of them reading the window
+    would read the new one and fail the comparison."""
+    _conv_case([1, 2, 3, 4, 5, 70, 130, 9], **launch)
+
+
+def test_conv_split_needs_segments_of_c_minus_1():
+    """Segments shorter than C - 1 would read the old window from a second program (a race with
+    its write): refused."""
+    x = torch.zeros(8, 16)
+    with pytest.raises(ValueError, match="C - 1 = 3"):
+        conv_triton.conv_prefill_inplace(torch.zeros(2, 4, 16), torch.tensor([1]), torch.tensor([True]), x,
+                                         torch.zeros(16, 1, 4), torch.zeros(16), torch.tensor([0, 8]),
+                                         block_t=2, seg_tiles=1, n_split=2)
+
+
+def test_conv_default_split():
+    """8 prompts of 2,048 tokens: 32 segment slots each (8 used); one request: a slot per segment
+    of all T tokens; many requests: one program each."""
+    assert conv_triton.default_split(16384, 8, 256) == 32
+    assert conv_triton.default_split(1000, 1, 256) == 4
+    assert conv_triton.default_split(16384, 1280, 256) == 1
 
 
 def test_conv_decode_vs_conv_with_state():
