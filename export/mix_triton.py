@@ -228,7 +228,7 @@ def bench_mix_kernel(device: str = "cuda", sizes=(16384, 1280), H: int = 16, K: 
                      T: int = 4, configs=((8, 4), (4, 4), (16, 4), (16, 8), (2, 2))) -> dict:
     """Time the post-GLA part at the 3B head shape: bf16 q, k, v, g views of the projection and
     float32 o, bf16 output (N=1280 the decode width), float32 views at N=1280, and bf16 o at
-    sizes[0] (the prefill path's).
+    sizes[0] (`gla_prefill_inplace(out_dtype=bf16)`, which the engine does not use: BENCHMARKS S10).
 
     "torch": `mixer_post` (g upcast, as the prefill path) + reshape + cast to bf16; "triton BT/warps":
     `mixer_post_fused` per launch config.  Returns {f"{name} N={N} {dtype}": ms} plus a "ratio" row
@@ -237,7 +237,7 @@ def bench_mix_kernel(device: str = "cuda", sizes=(16384, 1280), H: int = 16, K: 
 
     out = {}
     cases = [(n, torch.bfloat16, torch.float32) for n in sizes] + [(1280, torch.float32, torch.float32)]
-    for N, dt, odt in cases + [(sizes[0], torch.bfloat16, torch.bfloat16)]:    # last: the prefill path's bf16 o
+    for N, dt, odt in cases + [(sizes[0], torch.bfloat16, torch.bfloat16)]:    # last: the prefill GLA's bf16 o option
         q, k, v, g, o, a, w, eps = random_inputs(N, H, K, V, T, dt, device, o_dtype=odt)
         tag = f"N={N} {str(dt)[6:]}" + (" o bf16" if odt == torch.bfloat16 else "")
         out[f"torch {tag}"] = _time_ms(

@@ -62,7 +62,7 @@ def test_gla_prefill_3b_head_shape():
 @pytest.mark.parametrize("precision", ["tf32", "bf16"])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["o_f32", "o_bf16"])
 def test_gla_prefill_bf16_inputs(precision, out_dtype):
-    """bf16 q, k, v; o in float32 or, as the vLLM mixer asks for it, bf16 (plus its rounding).
+    """bf16 q, k, v; o in float32 (what the vLLM mixer asks for) or bf16 (plus its rounding).
     The interpreter multiplies tf32 operands in float32 (so ieee's bound holds there), and
     emulates bf16 operands exactly (rounded to bf16, exact products)."""
     e = gpt.prefill_errors("cpu", lengths=(1, 15, 17, 40), dtype=torch.bfloat16, precision=precision,

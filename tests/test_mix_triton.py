@@ -35,8 +35,8 @@ def test_3b_heads(N, dtype, out_dtype):
 
 @pytest.mark.parametrize("N", [1, 9, 33])
 def test_3b_heads_bf16_o(N):
-    """The prefill path's inputs: bf16 q, k, v, g and the GLA kernel's bf16 o (upcast inside;
-    the bound takes o as given), bf16 and float32 out."""
+    """bf16 q, k, v, g and a bf16 o, as `gla_prefill_inplace(out_dtype=bf16)` returns it (upcast
+    inside; the bound takes o as given), bf16 and float32 out."""
     for out_dtype in DTYPES:
         assert mix_triton.mix_error(N, 16, 96, 192, 4, torch.bfloat16, out_dtype, "cpu",
                                     o_dtype=torch.bfloat16) <= 1.0
