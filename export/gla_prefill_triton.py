@@ -24,11 +24,12 @@ three products that involve float32 intermediates (the masked scores, the state,
 bf16 inputs: those operands rounded to bf16, as JAX's own `ops.gla.chunk_simple_gla` and fla's
 `chunk_simple_gla` do for bf16 models; 2.4x faster than tf32 on an H200, BENCHMARKS run S8) or
 "tf32" (10 mantissa bits; the default for float16 inputs).  q k^T of bf16 inputs is always a bf16
-product: exact products, float32 sums.  `check_prefill_kernel` measures each against float64.
+product: exact products, float32 sums.  `prefill_errors` measures each against float64.
 
-`check_prefill_kernel()` compares against a float64 step recurrence; `bench_prefill_kernel()` times
-it against the torch path (gather + `gla_chunked` + scatter).  `python -m export.gla_prefill_triton
-cuda` runs both (TRITON_INTERPRET=1 ... cpu runs the check on CPU tensors).
+`prefill_errors()` compares against a float64 step recurrence (`within_tolerance` judges it);
+`bench_prefill_kernel()` times it against the torch path (gather + `gla_chunked` + scatter).
+`python -m export.gla_prefill_triton cuda` runs both (TRITON_INTERPRET=1 ... cpu runs the check on
+CPU tensors).
 """
 import os
 from typing import Optional
@@ -322,13 +323,6 @@ def within_tolerance(e: dict, precision: str, out_dtype: torch.dtype = torch.flo
     return not e["changed"] and e["state"] <= tol and e["o"] <= tol + output_rounding(out_dtype)
 
 
-def check_prefill_kernel(device: str = "cuda", **kw) -> float:
-    """The largest relative error of `prefill_errors(device, **kw)` (o and final states), or inf
-    when anything outside the requests' states changed.  Compare with `tolerance(precision)`."""
-    e = prefill_errors(device, **kw)
-    return float("inf") if e["changed"] else max(e["o"], e["state"])
-
-
 # ----------------------------------------------------------------------------- benchmark
 
 def _time_ms(fn, warmup: int = 3, reps: int = 20) -> float:
@@ -378,15 +372,13 @@ def bench_prefill_kernel(device: str = "cuda", requests: int = 8, length: int = 
     out = {"torch": _time_ms(torch_path)}
     for bv, warps, stages, prec, chunk in configs:
         name = f"triton BV={bv} warps={warps} stages={stages} {prec} chunk={chunk}"
-        try:
-            out[name] = _time_ms(
-                lambda: gla_prefill_inplace(pool, slots, keep, q, k, v, gamma, cu, chunk, prec, bv, warps, stages))
-            out[name + " o bf16"] = _time_ms(
-                lambda: gla_prefill_inplace(pool, slots, keep, q, k, v, gamma, cu, chunk, prec, bv, warps, stages,
-                                            out_dtype=torch.bfloat16))
-        except Exception as e:  # noqa: BLE001 - a setting that does not compile or fit (shared memory): report, go on
-            print(f"bench {name}: {e}")
-            out[name] = float("nan")
+        for label, odt in ((name, torch.float32), (name + " o bf16", torch.bfloat16)):
+            try:
+                out[label] = _time_ms(lambda: gla_prefill_inplace(
+                    pool, slots, keep, q, k, v, gamma, cu, chunk, prec, bv, warps, stages, out_dtype=odt))
+            except Exception as e:  # noqa: BLE001 - a setting that does not compile or fit (shared memory): report, go on
+                print(f"bench {label}: {e}")
+                out[label] = float("nan")
     out["ratio"] = out["torch"] / min(t for name, t in out.items() if name.startswith("triton") and t == t)
     return out
 
