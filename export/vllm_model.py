@@ -98,14 +98,16 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
             md = md.get(self.prefix)
         return md
 
-    def forward(self, xn: torch.Tensor, output: torch.Tensor) -> None:
-        torch.ops.vllm.laplace_mixer(xn, output, self.prefix)
+    def forward(self, xn: torch.Tensor, residual: torch.Tensor, output: torch.Tensor) -> None:
+        """output [N, D] = residual + the mixer of xn [N, D] (the block's residual add is done here:
+        on the Triton path it is the w_out GEMM's epilogue, so no separate pass reads both)."""
+        torch.ops.vllm.laplace_mixer(xn, residual, output, self.prefix)
 
     @torch.no_grad()
-    def _forward(self, xn: torch.Tensor, output: torch.Tensor) -> None:
+    def _forward(self, xn: torch.Tensor, residual: torch.Tensor, output: torch.Tensor) -> None:
         md = self._metadata()
         if md is None:                     # profiling / dummy run: no state, no pages
-            output.zero_()
+            output.copy_(residual)
             return
         conv_pool, gla_pool = self._pools()
         nd, npf = int(md.num_decodes), int(md.num_prefills)
@@ -121,28 +123,31 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
         pad = (slots < 0) | (md.seq_lens[:nreq] <= 0)
         slots = torch.where(pad, torch.zeros_like(slots), slots)
         if n < output.shape[0]:
-            output[n:].zero_()
+            output[n:].copy_(residual[n:])
         fast = gla_triton.available(xn)   # the Triton kernels (CUDA, triton installed, not switched off)
         if nd > 0 and fast:   # no host sync here: a decode-only batch may be captured in a full CUDA graph
-            self._decode_fast(xn[:nd], conv_pool, gla_pool, slots[:nd], has_ctx[:nd], output[:nd])
+            self._decode_fast(xn[:nd], conv_pool, gla_pool, slots[:nd], has_ctx[:nd], residual[:nd], output[:nd])
         elif nd > 0:
-            output[:nd] = self._decode(xn[:nd], conv_pool, gla_pool, slots[:nd], has_ctx[:nd]).to(output.dtype)
+            o = self._decode(xn[:nd], conv_pool, gla_pool, slots[:nd], has_ctx[:nd])
+            torch.add(residual[:nd], o.to(output.dtype), out=output[:nd])
+        t0 = int(md.num_decode_tokens)     # prefill tokens follow the decode tokens
         if npf > 0 and fast:
-            t0 = int(md.num_decode_tokens)     # prefill tokens follow the decode tokens
             cu = qsl[nd:] - qsl[nd]
             self._prefill_packed(xn[t0:n], conv_pool, gla_pool, slots[nd:nreq], has_ctx[nd:nreq], cu,
-                                 output[t0:n])
+                                 residual[t0:n], output[t0:n])
         elif npf > 0:
             self._prefill(xn, output, conv_pool, gla_pool, slots, has_ctx,
                           _prefill_groups(md, qsl, has_ctx, nd, nreq, self.chunk, self.H * self.K * self.V))
+            output[t0:n] += residual[t0:n]
 
-    def _decode_fast(self, xn, conv_pool, gla_pool, sl, keep, out) -> None:
+    def _decode_fast(self, xn, conv_pool, gla_pool, sl, keep, residual, out) -> None:
         """One token per row, `forward_step` as three Triton kernels and two GEMMs: conv window and
-        GLA state updated in the pool at slots sl in place; the mixer output written into out [B, D]."""
+        GLA state updated in the pool at slots sl in place; residual + the mixer output written into
+        out [B, D]."""
         u = conv_triton.conv_decode_inplace(conv_pool, sl, keep, xn, self.conv.weight, self.conv.bias)
         q, k, v, g = self.heads(self.w_qkvg(u))
         o = gla_triton.gla_decode_inplace(gla_pool, sl, keep, q, k, v, self.gamma)
-        self._step_out_fused(q, k, v, g, o, out)
+        self._step_out_fused(q, k, v, g, o, residual, out)
 
     def _decode(self, xn, conv_pool, gla_pool, sl, keep):
         """The torch decode path: conv window and GLA state gathered from the pool at slots sl
@@ -154,11 +159,12 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
         gla_pool[sl] = gs.to(gla_pool.dtype)
         return o
 
-    def _prefill_packed(self, x, conv_pool, gla_pool, sl, keep, cu, out) -> None:
+    def _prefill_packed(self, x, conv_pool, gla_pool, sl, keep, cu, residual, out) -> None:
         """All prefill requests at once (Triton, in place on both pools, no host sync).
 
         x [T, D]: their tokens back to back, request r's at cu[r]:cu[r+1]; sl [R] slots; keep [R]
-        (False: a new sequence, zero states).  The mixer output is written into out [T, D]."""
+        (False: a new sequence, zero states).  residual [T, D] + the mixer output is written into
+        out [T, D]."""
         u = conv_triton.conv_prefill_inplace(conv_pool, sl, keep, x, self.conv.weight, self.conv.bias, cu)
         q, k, v, g = self.heads(self.w_qkvg(u))
         # the kernel reads q, k, v straight from the projection (strided views, x's dtype).  o stays
@@ -166,15 +172,17 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
         # fused post gained (H200, 8 × 2,048 tokens: 0.349 vs 0.279 ms, and 0.179 vs 0.197 ms;
         # BENCHMARKS run S10)
         o = gla_prefill_triton.gla_prefill_inplace(gla_pool, sl, keep, q, k, v, self.gamma, cu)
-        self._step_out_fused(q, k, v, g, o, out)
+        self._step_out_fused(q, k, v, g, o, residual, out)
 
-    def _step_out_fused(self, q, k, v, g, o, out) -> None:
+    def _step_out_fused(self, q, k, v, g, o, residual, out) -> None:
         """`step_out` with mixer_post as one Triton kernel (export/mix_triton.py): the same float32
         math (q, k, v, g, o of any float dtype upcast inside it), y [N, H·V] in out's dtype, then
-        w_out's GEMM straight into out [N, D] (a row block of the layer's output: no copy of the
-        result).  q, k [N, H, K], v, g [N, H, V] (views of the projection), o [N, H, V]."""
+        out [N, D] = residual + y w_out^T as one GEMM (cuBLAS adds the residual in its epilogue, to
+        the float32 accumulator: one rounding, and no pass of its own over out and residual; out is
+        a row block of the layer's output: no copy).  q, k [N, H, K], v, g [N, H, V] (views of the
+        projection), o [N, H, V]."""
         y = mix_triton.mixer_post_fused(q, k, v, g, o, self.aug_balance, self.head_norm, self.eps, out.dtype)
-        torch.mm(y, self.w_out.weight.t(), out=out)   # out: rows of torch.empty_like(x), contiguous
+        torch.addmm(residual, y, self.w_out.weight.t(), out=out)   # out: rows of torch.empty_like(x)
 
     def _prefill(self, xn, output, conv_pool, gla_pool, slots, has_ctx, groups):
         """Prefill requests of equal query length run as one batch: states gathered from the pool
@@ -252,12 +260,12 @@ def _prefill_groups(md, qsl, has_ctx, nd, nreq, chunk, hkv):
     return groups
 
 
-def _laplace_mixer(xn: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
+def _laplace_mixer(xn: torch.Tensor, residual: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
     layer = get_forward_context().no_compile_layers[layer_name]
-    layer._forward(xn, output)
+    layer._forward(xn, residual, output)
 
 
-def _laplace_mixer_fake(xn: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
+def _laplace_mixer_fake(xn: torch.Tensor, residual: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
     return
 
 
@@ -276,13 +284,15 @@ class LaplaceVllmBlock(nn.Module):
         self.eps = cfg.norm_eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, D] (vLLM's flattened tokens) → [N, D]."""
         xn = layer_norm(x, self.attn_norm.weight, self.eps)
-        out = torch.empty_like(x)
-        self.mixer(xn, out)
-        x = x + out
-        z = layer_norm(x, self.ffn_norm.weight, self.eps)
+        h = torch.empty_like(x)
+        self.mixer(xn, x, h)                    # h = x + mixer(xn)
+        z = layer_norm(h, self.ffn_norm.weight, self.eps)
         a, b = self.w_12(z).chunk(2, dim=-1)
-        return x + self.w_3(nn.functional.silu(a) * b)
+        # the residual as the GEMM's addend (Inductor keeps an addmm whose users are not all
+        # pointwise: here the next layer's LayerNorm and mixer), not a pass of its own
+        return torch.addmm(h, nn.functional.silu(a) * b, self.w_3.weight.t())
 
 
 class LaplaceVllmBackbone(nn.Module):
