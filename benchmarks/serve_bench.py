@@ -287,7 +287,7 @@ def _model_folder(a, cfg, name: str, explicit: Optional[str], stamp: dict,
         shm = Path("/dev/shm")
         base = shm if shm.is_dir() and shutil.disk_usage(shm).free > 3 * cfg.num_layers * 2 ** 30 \
             else Path(tempfile.gettempdir())
-        folder = base / f"laplace_serve_bench_{name}"
+        folder = base / ("laplace_serve_bench_" + "_".join(filter(None, (name, getattr(a, "config", None)))))
     marker = folder / ".serve_bench_done"
     if marker.is_file() and marker.read_text() == text:
         return folder, (folder / "tokenizer.json").is_file(), 0.0, True
@@ -756,6 +756,7 @@ def child_argv(a, kind: str) -> list[str]:
             "--shapes", ",".join(map(str, a.shapes)), "--dtype", a.dtype, "--gpu-mem", str(a.gpu_mem),
             "--max-num-batched-tokens", str(a.max_num_batched_tokens), "--llm-kwargs", json.dumps(a.llm_kwargs),
             "--repeats", str(a.repeats)]
+    argv += ["--config", a.config] if a.config else []
     argv += [flag for flag, on in (("--smoke", a.smoke), ("--enforce-eager", a.enforce_eager),
                                    ("--no-half", a.no_half)) if on]
     folder = a.model_dir if kind == "laplace" else a.peer_dir
@@ -840,7 +841,8 @@ def write_report(a, rows: Rows, comp: Comparison, status: dict[str, int]) -> str
     """DIR/serve_bench.md (the side-by-side table, then every row) and DIR/serve_bench.json; the md."""
     out = Path(a.out)
     names = f"Laplace vs {a.peer}" if a.peer else "Laplace"
-    md = (f"{names} ({'tiny (smoke)' if a.smoke else '3B'}) through vLLM, {_child_device(out)}, dtype={a.dtype}, "
+    size = a.config or ("tiny (smoke)" if a.smoke else "3B")
+    md = (f"{names} ({size}) through vLLM, {_child_device(out)}, dtype={a.dtype}, "
           f"max_num_batched_tokens={a.max_num_batched_tokens}, each model in its own engine\n\n"
           + (side_by_side(comp, a.peer, a.shapes, not a.no_half) + "\n" if a.peer else "") + rows_table(rows))
     (out / "serve_bench.md").write_text(md)
@@ -887,6 +889,9 @@ def parse_args(argv=None):
     ap.add_argument("--peer", choices=["llama"], default=None,
                     help="also run a same-size softmax-attention model (vLLM's LlamaForCausalLM) on the shapes")
     ap.add_argument("--peer-dir", default=None, help="where to build (or reuse) the random peer")
+    ap.add_argument("--config", default=None,
+                    help="a model config of configs/ (e.g. laplace_tiny: with --peer, both models so small "
+                         "that a decode step times vLLM's own per-step work); default: 3B (smoke: laplace_tiny)")
     ap.add_argument("--no-half", action="store_true",
                     help="comparison mode: no H run; decode step = (tA - tB)/(new - 1)")
     ap.add_argument("--repeats", type=int, default=1,
@@ -932,7 +937,8 @@ def setup_env(a) -> None:
 
 
 def model_setup(a) -> tuple:
-    """(Laplace config: tiny for the smoke run, else the 3B spec.Arch; CUDA?; device name)."""
+    """(Laplace config: --config, else tiny for the smoke run and the 3B spec.Arch otherwise; CUDA?;
+    device name)."""
     import torch
 
     from laplace_jax.config import load_config
@@ -940,8 +946,9 @@ def model_setup(a) -> tuple:
 
     cuda = torch.cuda.is_available() and not a.smoke
     device = "cuda" if cuda else "cpu"
-    cfg = load_config("laplace_tiny").model if a.smoke else Arch()
-    log(f"config: {'tiny (smoke)' if a.smoke else '3B'}, d_model={cfg.d_model}, layers={cfg.num_layers}, "
+    name = a.config or ("laplace_tiny" if a.smoke else None)
+    cfg = load_config(name).model if name else Arch()
+    log(f"config: {name or '3B'}{' (smoke)' if a.smoke else ''}, d_model={cfg.d_model}, layers={cfg.num_layers}, "
         f"device={device}, torch {torch.__version__}")
     return cfg, cuda, device
 
@@ -1114,7 +1121,7 @@ def run_phases(a) -> int:
     stop_engine(llm)
 
     # g. table
-    md = (f"Laplace {'tiny (smoke)' if a.smoke else '3B'} through vLLM, {device}, "
+    md = (f"Laplace {a.config or ('tiny (smoke)' if a.smoke else '3B')} through vLLM, {device}, "
           f"max_num_seqs={max_seqs}, max_num_batched_tokens={a.max_num_batched_tokens}, "
           f"dtype={a.dtype}, {'eager' if kw['enforce_eager'] else 'compiled + CUDA graphs'}\n\n"
           + rows_table(rows))

@@ -244,3 +244,21 @@ def test_engine_kwargs_keep_vllm_stat_logging_default(tmp_path):
     assert kw["compilation_config"] == {"max_cudagraph_capture_size": 4}
     a = serve_bench.parse_args(["--out", str(tmp_path), "--llm-kwargs", '{"disable_log_stats": false}'])
     assert serve_bench.engine_kwargs(a, tmp_path, True, 4, 64, cuda=True)["disable_log_stats"] is False
+
+
+def test_config_reaches_both_children_and_sizes_both_models(tmp_path):
+    """--config picks the model size of both sides (the host-floor run: two tiny models through the
+    same vLLM): the children get it, the Laplace config is that file's, the peer is built from it."""
+    a = serve_bench.parse_args(["--out", str(tmp_path), "--peer", "llama", "--config", "laplace_tiny",
+                                "--shapes", "8x16x4"])
+    for kind in ("laplace", "llama"):
+        argv = serve_bench.child_argv(a, kind)
+        assert argv[argv.index("--config") + 1] == "laplace_tiny"
+        child = serve_bench.parse_args(argv[2:])
+        cfg, _, _ = serve_bench.model_setup(child)
+        assert (cfg.d_model, cfg.num_layers, cfg.ffn_dim) == (128, 2, 256)
+    hf = serve_bench.llama_config(cfg, "bfloat16", 64, head_dim=128)
+    assert (hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"]) == (128, 2, 1)
+    a = serve_bench.parse_args(["--out", str(tmp_path), "--shapes", "8x16x4"])
+    assert "--config" not in serve_bench.child_argv(a, "laplace")
+    assert serve_bench.model_setup(a)[0].d_model == 3072
