@@ -4,10 +4,12 @@
 #   bash benchmarks/gpu_all.sh ops   OUT   # per-op micro-benchmark: the gated mix (XLA vs Pallas), the GLU backward (~60 s)
 #   bash benchmarks/gpu_all.sh train OUT   # 3B training on 1 GPU (Pallas vs XLA gated mix) and on all GPUs; JAX decode/prefill
 #   bash benchmarks/gpu_all.sh serve OUT   # 3B through vLLM (after ../shared/tools/vllm-gpu installed it)
+#   bash benchmarks/gpu_all.sh profile OUT # one prefill and 8 decode steps in vLLM under the torch profiler
+#   bash benchmarks/gpu_all.sh pair OUT [serve_bench args]  # 1,280 x 2,048 x 256: Laplace and the Llama peer
 # Wheels the GPU image lacks (fla-core, einops) are installed from .whl/ when present. Each part
 # runs under its own time limit so one hang cannot eat the whole call; logs land in OUT.
 set -uo pipefail
-part=${1:?gla, ops, train or serve}; out=${2:?output folder}
+part=${1:?gla, ops, train, serve, profile or pair}; out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}   # the checkout's laplace_jax and export (not installed here)
@@ -38,7 +40,20 @@ serve)
     export PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} VLLM_USE_FLASHINFER_SAMPLER=0 CUDA_VISIBLE_DEVICES=0
     timeout 540 python3 benchmarks/serve_bench.py --out "$out/serve" --skip-long > "$out/serve.log" 2>&1
     grep "ROW" "$out/serve.log" | cut -c1-200 ;;
-*) echo "usage: $0 gla|ops|train|serve OUT" >&2; exit 2 ;;
+profile)
+    # one prefill step (8 x 2,048) and 8 decode steps at width 1,280 in the engine, plus the in-engine
+    # path agreement (~70 s after the 3B folder is built in /dev/shm)
+    export PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} VLLM_USE_FLASHINFER_SAMPLER=0 CUDA_VISIBLE_DEVICES=0
+    timeout 400 python3 benchmarks/serve_profile.py --out "$out/prof" --model-dir /dev/shm/lap > "$out/prof.log" 2>&1
+    tail -4 "$out/prof.log" | cut -c1-300 ;;
+pair)
+    # issue 15's 2,048-token shape, Laplace then the Llama peer in one call (~390 s after both folders
+    # exist); arguments after OUT go to serve_bench, e.g. --config laplace_tiny or --llm-kwargs JSON
+    export PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} VLLM_USE_FLASHINFER_SAMPLER=0 CUDA_VISIBLE_DEVICES=0
+    timeout 570 python3 benchmarks/serve_bench.py --out "$out/pair" --peer llama --no-half \
+        --shapes 1280x2048x256 --model-dir /dev/shm/lap --peer-dir /dev/shm/peer "${@:3}" > "$out/pair.log" 2>&1
+    grep "ROW" "$out/pair.log" | cut -c1-200 ;;
+*) echo "usage: $0 gla|ops|train|serve|profile|pair OUT" >&2; exit 2 ;;
 esac
 rm -f "$out"/*/bench.md
 grep -h "^\[bench\]\|^\[micro\]" "$out"/*.log 2>/dev/null | cut -c1-260
