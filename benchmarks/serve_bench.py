@@ -406,7 +406,9 @@ def engine_mode(llm) -> dict:
     """How the engine steps: the client class (InprocClient: step() runs the engine in this thread;
     SyncMPClient: step() waits for the next step's outputs from the engine-core process), whether
     async scheduling (a batch queue of 2: step() schedules batch k+1 and then returns batch k) is on,
-    and stream_interval (outputs held back over several tokens would break the per-step count)."""
+    stream_interval (outputs held back over several tokens would break the per-step count), and which
+    GPU model runner vLLM picked (v2 by default for Llama; v1 for attention-free models unless
+    VLLM_USE_V2_MODEL_RUNNER=1)."""
     import vllm
 
     eng = llm.llm_engine
@@ -414,7 +416,8 @@ def engine_mode(llm) -> dict:
     sched = getattr(cfg, "scheduler_config", None)
     return {"vllm": vllm.__version__, "client": type(getattr(eng, "engine_core", None)).__name__,
             "async_scheduling": getattr(sched, "async_scheduling", None),
-            "stream_interval": getattr(sched, "stream_interval", 1)}
+            "stream_interval": getattr(sched, "stream_interval", 1),
+            "model_runner": {True: "v2", False: "v1"}.get(getattr(cfg, "use_v2_model_runner", None), "?")}
 
 
 def _step_engine(llm):
@@ -1004,6 +1007,7 @@ def start_engine(kw: dict, rows: Rows):
     with Heartbeat("vLLM start"):
         llm = LLM(**kw)
     rows.add("vLLM start time", round(time.time() - t0, 1), "s")
+    log(f"c. engine: {engine_mode(llm)}")
     return llm
 
 
