@@ -25,7 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_check import exit_skipping_teardown, stop_engine  # noqa: E402
-from serve_bench import FOLDER_LEN, ensure_plugin_entry_point, laplace_folder, log, make_prompts  # noqa: E402
+from serve_bench import (FOLDER_LEN, ensure_plugin_entry_point, laplace_folder, log, make_prompts,  # noqa: E402
+                         prefer_v2_runner)
 
 # kernel-name fragments → kind, first match wins (cuBLAS/CUTLASS GEMMs, Inductor's and our Triton
 # kernels, copies and gathers, the rest of aten's element-wise and reduction kernels)
@@ -196,6 +197,7 @@ def main(argv=None) -> int:
     from laplace_jax.spec import Arch
 
     cuda = torch.cuda.is_available() and not a.smoke
+    prefer_v2_runner(cuda)
     cfg = load_config("laplace_tiny").model if a.smoke else Arch()
     max_len = max(a.prompt_len, 256 + 32) + 64 + a.decode_steps     # path_agreement: 256 + 32 tokens
     import tempfile

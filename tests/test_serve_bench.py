@@ -262,3 +262,15 @@ def test_config_reaches_both_children_and_sizes_both_models(tmp_path):
     a = serve_bench.parse_args(["--out", str(tmp_path), "--shapes", "8x16x4"])
     assert "--config" not in serve_bench.child_argv(a, "laplace")
     assert serve_bench.model_setup(a)[0].d_model == 3072
+
+
+@pytest.mark.parametrize("cuda, preset, expect", [(False, None, None), (True, None, "1"), (True, "0", "0")])
+def test_v2_runner_asked_for_on_cuda_only_and_never_over_the_users_choice(monkeypatch, cuda, preset, expect):
+    """vLLM 0.26 runs Llama on Model Runner V2 but attention-free models on V1 unless told; the
+    comparison asks for V2 on CUDA (the CPU build has none) and keeps a value the user set."""
+    if preset is None:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", preset)
+    assert serve_bench.prefer_v2_runner(cuda) == expect
+    assert os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == expect
