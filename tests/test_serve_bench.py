@@ -268,9 +268,11 @@ def test_config_reaches_both_children_and_sizes_both_models(tmp_path):
 def test_v2_runner_asked_for_on_cuda_only_and_never_over_the_users_choice(monkeypatch, cuda, preset, expect):
     """vLLM 0.26 runs Llama on Model Runner V2 but attention-free models on V1 unless told; the
     comparison asks for V2 on CUDA (the CPU build has none) and keeps a value the user set."""
+    # setenv first in both cases, so that monkeypatch restores the variable's absence afterwards
+    # (a bare delenv of an unset variable records nothing, and the "1" set here leaked into the
+    # vLLM tests that follow: CPU vLLM then refused to start, "Model Runner V2 requires Triton")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", preset or "unset")
     if preset is None:
-        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    else:
-        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", preset)
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
     assert serve_bench.prefer_v2_runner(cuda) == expect
     assert os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == expect
