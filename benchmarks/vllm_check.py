@@ -45,7 +45,7 @@ def _record_batches(worker):
     notes = mixer.vllm_check_batches = []
     compute = mixer._forward
 
-    def forward(xn, residual, output):
+    def forward(xn, residual):
         md = mixer._metadata()
         if md is not None:                                   # None: a profiling / dummy run
             nd, npf = int(md.num_decodes), int(md.num_prefills)
@@ -53,7 +53,7 @@ def _record_batches(worker):
             before = (md.seq_lens[: nd + npf] - (qsl[1:] - qsl[:-1])).tolist()   # tokens of earlier steps
             notes.append({"decodes": nd, "new_decodes": sum(b <= 0 for b in before[:nd]), "prefills": npf,
                           "continued_prefills": sum(b > 0 for b in before[nd:])})
-        compute(xn, residual, output)
+        compute(xn, residual)
 
     mixer._forward = forward
 

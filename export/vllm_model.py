@@ -98,16 +98,17 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
             md = md.get(self.prefix)
         return md
 
-    def forward(self, xn: torch.Tensor, residual: torch.Tensor, output: torch.Tensor) -> None:
-        """output [N, D] = residual + the mixer of xn [N, D] (the block's residual add is done here:
-        on the Triton path it is the w_out GEMM's epilogue, so no separate pass reads both)."""
-        torch.ops.vllm.laplace_mixer(xn, residual, output, self.prefix)
+    def forward(self, xn: torch.Tensor, residual: torch.Tensor) -> None:
+        """residual [N, D] += the mixer of xn [N, D], in place (the block's residual add is done
+        here: on the Triton path it is the w_out GEMM's epilogue, β = 1 on the residual rows
+        themselves, so neither a separate pass nor a copy of the residual into a new output;
+        `addmm(out=)` into another tensor copies its addend first: 2.27 ms a prefill step, run S11)."""
+        torch.ops.vllm.laplace_mixer(xn, residual, self.prefix)
 
     @torch.no_grad()
-    def _forward(self, xn: torch.Tensor, residual: torch.Tensor, output: torch.Tensor) -> None:
+    def _forward(self, xn: torch.Tensor, residual: torch.Tensor) -> None:
         md = self._metadata()
-        if md is None:                     # profiling / dummy run: no state, no pages
-            output.copy_(residual)
+        if md is None:                     # profiling / dummy run: no state, no pages (adds nothing)
             return
         conv_pool, gla_pool = self._pools()
         nd, npf = int(md.num_decodes), int(md.num_prefills)
@@ -122,32 +123,29 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
         # (a freed slot that another sequence may own now): send their writes to the null slot 0.
         pad = (slots < 0) | (md.seq_lens[:nreq] <= 0)
         slots = torch.where(pad, torch.zeros_like(slots), slots)
-        if n < output.shape[0]:
-            output[n:].copy_(residual[n:])
         fast = gla_triton.available(xn)   # the Triton kernels (CUDA, triton installed, not switched off)
         if nd > 0 and fast:   # no host sync here: a decode-only batch may be captured in a full CUDA graph
-            self._decode_fast(xn[:nd], conv_pool, gla_pool, slots[:nd], has_ctx[:nd], residual[:nd], output[:nd])
+            self._decode_fast(xn[:nd], conv_pool, gla_pool, slots[:nd], has_ctx[:nd], residual[:nd])
         elif nd > 0:
             o = self._decode(xn[:nd], conv_pool, gla_pool, slots[:nd], has_ctx[:nd])
-            torch.add(residual[:nd], o.to(output.dtype), out=output[:nd])
+            residual[:nd] += o.to(residual.dtype)
         t0 = int(md.num_decode_tokens)     # prefill tokens follow the decode tokens
         if npf > 0 and fast:
             cu = qsl[nd:] - qsl[nd]
             self._prefill_packed(xn[t0:n], conv_pool, gla_pool, slots[nd:nreq], has_ctx[nd:nreq], cu,
-                                 residual[t0:n], output[t0:n])
+                                 residual[t0:n])
         elif npf > 0:
-            self._prefill(xn, output, conv_pool, gla_pool, slots, has_ctx,
+            self._prefill(xn, residual, conv_pool, gla_pool, slots, has_ctx,
                           _prefill_groups(md, qsl, has_ctx, nd, nreq, self.chunk, self.H * self.K * self.V))
-            output[t0:n] += residual[t0:n]
 
-    def _decode_fast(self, xn, conv_pool, gla_pool, sl, keep, residual, out) -> None:
+    def _decode_fast(self, xn, conv_pool, gla_pool, sl, keep, residual) -> None:
         """One token per row, `forward_step` as three Triton kernels and two GEMMs: conv window and
-        GLA state updated in the pool at slots sl in place; residual + the mixer output written into
-        out [B, D]."""
+        GLA state updated in the pool at slots sl in place; the mixer output added to residual
+        [B, D] in place."""
         u = conv_triton.conv_decode_inplace(conv_pool, sl, keep, xn, self.conv.weight, self.conv.bias)
         q, k, v, g = self.heads(self.w_qkvg(u))
         o = gla_triton.gla_decode_inplace(gla_pool, sl, keep, q, k, v, self.gamma)
-        self._step_out_fused(q, k, v, g, o, residual, out)
+        self._step_out_fused(q, k, v, g, o, residual)
 
     def _decode(self, xn, conv_pool, gla_pool, sl, keep):
         """The torch decode path: conv window and GLA state gathered from the pool at slots sl
@@ -159,12 +157,12 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
         gla_pool[sl] = gs.to(gla_pool.dtype)
         return o
 
-    def _prefill_packed(self, x, conv_pool, gla_pool, sl, keep, cu, residual, out) -> None:
+    def _prefill_packed(self, x, conv_pool, gla_pool, sl, keep, cu, residual) -> None:
         """All prefill requests at once (Triton, in place on both pools, no host sync).
 
         x [T, D]: their tokens back to back, request r's at cu[r]:cu[r+1]; sl [R] slots; keep [R]
-        (False: a new sequence, zero states).  residual [T, D] + the mixer output is written into
-        out [T, D]."""
+        (False: a new sequence, zero states).  The mixer output is added to residual [T, D] in
+        place."""
         u = conv_triton.conv_prefill_inplace(conv_pool, sl, keep, x, self.conv.weight, self.conv.bias, cu)
         q, k, v, g = self.heads(self.w_qkvg(u))
         # the kernel reads q, k, v straight from the projection (strided views, x's dtype).  o stays
@@ -172,21 +170,23 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
         # fused post gained (H200, 8 × 2,048 tokens: 0.349 vs 0.279 ms, and 0.179 vs 0.197 ms;
         # BENCHMARKS run S10)
         o = gla_prefill_triton.gla_prefill_inplace(gla_pool, sl, keep, q, k, v, self.gamma, cu)
-        self._step_out_fused(q, k, v, g, o, residual, out)
+        self._step_out_fused(q, k, v, g, o, residual)
 
-    def _step_out_fused(self, q, k, v, g, o, residual, out) -> None:
+    def _step_out_fused(self, q, k, v, g, o, residual) -> None:
         """`step_out` with mixer_post as one Triton kernel (export/mix_triton.py): the same float32
-        math (q, k, v, g, o of any float dtype upcast inside it), y [N, H·V] in out's dtype, then
-        out [N, D] = residual + y w_out^T as one GEMM (cuBLAS adds the residual in its epilogue, to
-        the float32 accumulator: one rounding, and no pass of its own over out and residual; out is
-        a row block of the layer's output: no copy).  q, k [N, H, K], v, g [N, H, V] (views of the
-        projection), o [N, H, V]."""
-        y = mix_triton.mixer_post_fused(q, k, v, g, o, self.aug_balance, self.head_norm, self.eps, out.dtype)
-        torch.addmm(residual, y, self.w_out.weight.t(), out=out)   # out: rows of torch.empty_like(x)
+        math (q, k, v, g, o of any float dtype upcast inside it), y [N, H·V] in residual's dtype,
+        then residual [N, D] += y w_out^T as one in-place GEMM (cuBLAS adds the residual in its
+        epilogue, to the float32 accumulator: one rounding; `addmm_` hands cuBLAS the residual rows
+        as both C and the output, so nothing is copied).  q, k [N, H, K], v, g [N, H, V] (views of
+        the projection), o [N, H, V]; residual: a row block of the block's input (contiguous)."""
+        y = mix_triton.mixer_post_fused(q, k, v, g, o, self.aug_balance, self.head_norm, self.eps,
+                                        residual.dtype)
+        residual.addmm_(y, self.w_out.weight.t())
 
-    def _prefill(self, xn, output, conv_pool, gla_pool, slots, has_ctx, groups):
+    def _prefill(self, xn, residual, conv_pool, gla_pool, slots, has_ctx, groups):
         """Prefill requests of equal query length run as one batch: states gathered from the pool
-        (zeros for new sequences), one forward_seq, states and outputs scattered back."""
+        (zeros for new sequences), one forward_seq, states scattered back and outputs added to
+        their residual rows in place."""
         D = xn.shape[-1]
         for g in groups:
             G, L = len(g.rows), g.length
@@ -214,9 +214,9 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
             conv_pool[sl] = cs.to(conv_pool.dtype)
             gla_pool[sl] = gs.to(gla_pool.dtype)
             if g.consecutive:
-                output[s0: s0 + G * L] = o.reshape(G * L, D).to(output.dtype)
+                residual[s0: s0 + G * L] += o.reshape(G * L, D).to(residual.dtype)
             else:
-                output[tok] = o.to(output.dtype)
+                residual[tok] += o.to(residual.dtype)     # tok: distinct rows
 
 
 class _Group:
@@ -260,17 +260,17 @@ def _prefill_groups(md, qsl, has_ctx, nd, nreq, chunk, hkv):
     return groups
 
 
-def _laplace_mixer(xn: torch.Tensor, residual: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
+def _laplace_mixer(xn: torch.Tensor, residual: torch.Tensor, layer_name: str) -> None:
     layer = get_forward_context().no_compile_layers[layer_name]
-    layer._forward(xn, residual, output)
+    layer._forward(xn, residual)
 
 
-def _laplace_mixer_fake(xn: torch.Tensor, residual: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
+def _laplace_mixer_fake(xn: torch.Tensor, residual: torch.Tensor, layer_name: str) -> None:
     return
 
 
 direct_register_custom_op(op_name="laplace_mixer", op_func=_laplace_mixer,
-                          mutates_args=["output"], fake_impl=_laplace_mixer_fake)
+                          mutates_args=["residual"], fake_impl=_laplace_mixer_fake)
 
 
 class LaplaceVllmBlock(nn.Module):
@@ -286,8 +286,8 @@ class LaplaceVllmBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] (vLLM's flattened tokens) → [N, D]."""
         xn = layer_norm(x, self.attn_norm.weight, self.eps)
-        h = torch.empty_like(x)
-        self.mixer(xn, x, h)                    # h = x + mixer(xn)
+        self.mixer(xn, x)                       # x += mixer(xn), in place: x is this block's own
+        h = x                                   # (the embedding's or the last block's output)
         z = layer_norm(h, self.ffn_norm.weight, self.eps)
         a, b = self.w_12(z).chunk(2, dim=-1)
         # the residual as the GEMM's addend (Inductor keeps an addmm whose users are not all
@@ -308,7 +308,8 @@ class LaplaceVllmBackbone(nn.Module):
 
     def forward(self, input_ids: Optional[torch.Tensor], positions: torch.Tensor,
                 inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = inputs_embeds if inputs_embeds is not None else self.embed(input_ids)
+        # the blocks add into x in place: a caller's inputs_embeds buffer is copied, not changed
+        x = inputs_embeds.clone() if inputs_embeds is not None else self.embed(input_ids)
         for blk in self.layers:
             x = blk(x)
         return layer_norm(x, self.final_norm.weight, self.cfg.norm_eps)
