@@ -33,6 +33,12 @@ BLOCK_K = None      # None: all of K in one block (next power of 2)
 NUM_WARPS = 4
 
 
+def _evict_default() -> bool:
+    """LAPLACE_GLA_DECODE_EVICT=1: the state's loads and stores carry `evict_first` (each state
+    byte is touched once a step, so L2 has nothing to keep; chosen per run for a benchmark)."""
+    return os.environ.get("LAPLACE_GLA_DECODE_EVICT", "0") == "1"
+
+
 def enabled() -> bool:
     return triton is not None and os.environ.get("LAPLACE_VLLM_TRITON", "1") != "0"
 
@@ -47,7 +53,8 @@ if triton is not None:
                            sp_slot, sp_h, sp_k, sp_v,
                            sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, so_b, so_h,
                            scale,
-                           K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                           K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                           EVICT: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         vb = tl.program_id(2)
@@ -67,12 +74,18 @@ if triton is not None:
             k = tl.load(k_ptr + b * sk_b + h * sk_h + rk, mask=mk, other=0.0).to(tl.float32)
             ptrs = pool_ptr + slot * sp_slot + h * sp_h + rk[:, None] * sp_k + rv[None, :] * sp_v
             m = mk[:, None] & mv[None, :]
-            s = tl.load(ptrs, mask=m, other=0.0)
+            if EVICT:
+                s = tl.load(ptrs, mask=m, other=0.0, eviction_policy="evict_first")
+            else:
+                s = tl.load(ptrs, mask=m, other=0.0)
             # a select, not a product: a reused page may hold anything (keep == 0: start from zero)
             s = tl.where(keep != 0, s * lam, 0.0)
             s = s + k[:, None] * v[None, :]
             o += tl.sum(s * q[:, None], axis=0)
-            tl.store(ptrs, s, mask=m)
+            if EVICT:
+                tl.store(ptrs, s, mask=m, eviction_policy="evict_first")
+            else:
+                tl.store(ptrs, s, mask=m)
         tl.store(o_ptr + b * so_b + h * so_h + rv, o * scale, mask=mv)
 
 
@@ -89,12 +102,13 @@ def check_gamma(H: int, device) -> torch.Tensor:
 def gla_decode_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor, q: torch.Tensor,
                        k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor,
                        block_v: int = BLOCK_V, num_warps: int = NUM_WARPS,
-                       block_k: Optional[int] = BLOCK_K) -> torch.Tensor:
+                       block_k: Optional[int] = BLOCK_K, evict: Optional[bool] = None) -> torch.Tensor:
     """pool [num_slots, H, K, V] float32 (any strides, updated in place); slots [B] integer (valid
     slot ids); keep [B] bool (False: start from a zero state); q, k [B, H, K]; v [B, H, V] (any
     float dtype, last-dim stride 1 or copied); gamma [H] (ln λ).  Returns o [B, H, V] float32.
     block_v, num_warps: the launch (one program per row, head and block_v columns of V); block_k:
-    rows of K per unrolled step inside a program (None: all of K, padded to a power of 2)."""
+    rows of K per unrolled step inside a program (None: all of K, padded to a power of 2); evict:
+    `evict_first` on the state's traffic (None: LAPLACE_GLA_DECODE_EVICT)."""
     if triton is None:
         raise RuntimeError("export.gla_triton: triton is not installed")
     B, H, K = q.shape
@@ -119,7 +133,8 @@ def gla_decode_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tens
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1),
         float(K) ** -0.5,
-        K=K, V=V, BK=BK, BV=BV, num_warps=num_warps)
+        K=K, V=V, BK=BK, BV=BV, EVICT=_evict_default() if evict is None else bool(evict),
+        num_warps=num_warps)
     return o
 
 
@@ -166,10 +181,11 @@ def check_decode_kernel(device: str = "cuda", H: int = 16, K: int = 96, V: int =
 
 
 def bench_decode_kernel(width: int = 1280, H: int = 16, K: int = 96, V: int = 192,
-                        launches=((64, 4, None), (64, 4, 32), (64, 8, 32), (128, 4, 32), (128, 8, 32),
-                                  (64, 4, 16), (32, 4, 32), (256, 8, 32))) -> dict:
+                        launches=((64, 4, None, False), (64, 4, None, True), (64, 4, 32, False),
+                                  (64, 4, 32, True), (64, 2, 32, False), (64, 2, 32, True),
+                                  (128, 4, 32, True), (32, 2, 32, True))) -> dict:
     """CUDA: `gla_decode_inplace` at `width` rows of the 3B head shape (bf16 views of one
-    projection, as the mixer passes them), ms per launch (block_v, num_warps, block_k) and its
+    projection, as the mixer passes them), ms per launch (block_v, num_warps, block_k, evict) and its
     state traffic in TB/s (read + write of width × H·K·V float32)."""
     from export.gla_prefill_triton import _time_ms
     from export.torch_model import split_heads
@@ -183,9 +199,9 @@ def bench_decode_kernel(width: int = 1280, H: int = 16, K: int = 96, V: int = 19
     gamma = check_gamma(H, "cuda")
     gb = 2 * width * H * K * V * 4 / 1e9
     out = {}
-    for bv, warps, bk in launches:
-        ms = _time_ms(lambda: gla_decode_inplace(pool, slots, keep, q, k, v, gamma, bv, warps, bk))
-        out[f"BV={bv} warps={warps} BK={bk or 'all'}"] = (ms, gb / ms)
+    for bv, warps, bk, ev in launches:
+        ms = _time_ms(lambda: gla_decode_inplace(pool, slots, keep, q, k, v, gamma, bv, warps, bk, ev))
+        out[f"BV={bv} warps={warps} BK={bk or 'all'} evict={int(ev)}"] = (ms, gb / ms)
     return out
 
 

@@ -96,11 +96,12 @@ def test_gla_reference_is_the_step_recurrence():
 
 # ----------------------------------------------------------------------------- the decode GLA kernel alone
 
-@pytest.mark.parametrize("block_k,block_v", [(None, 64), (8, 16)])
-def test_gla_decode_vs_float64(block_k, block_v):
+@pytest.mark.parametrize("block_k,block_v,evict", [(None, 64, False), (8, 16, True)])
+def test_gla_decode_vs_float64(block_k, block_v, evict):
     """One decode step of `gla_decode_inplace` against the float64 step, elementwise within a bound
     derived from its float32 arithmetic.  K = 24 is padded to 32 in one block (block_k None) or
-    taken in three unrolled blocks of 8; V = 40 leaves masked columns in the last block.  The pool
+    taken in three unrolled blocks of 8 (with `evict_first` on the state); V = 40 leaves masked
+    columns in the last block.  The pool
     is a strided view inside pages; pages of keep-False rows hold NaN (must not leak); three
     CUDA-graph padding rows share slot 0; no other byte changes."""
     g = torch.Generator().manual_seed(21)
@@ -115,7 +116,7 @@ def test_gla_decode_vs_float64(block_k, block_v):
     gamma = gla_triton.check_gamma(H, "cpu")
     o = gla_triton.gla_decode_inplace(pool, torch.cat([slots, torch.zeros(pad, dtype=slots.dtype)]),
                                       torch.cat([keep, torch.zeros(pad, dtype=torch.bool)]), q, k, v, gamma,
-                                      block_v=block_v, block_k=block_k)
+                                      block_v=block_v, block_k=block_k, evict=evict)
     lam = torch.exp(gamma.double()).view(1, H, 1, 1)
     s0 = torch.where(keep.view(-1, 1, 1, 1), before[slots, 6:6 + H * K * V].view(B, H, K, V).double(), 0.0)
     kv = k[:B].double()[..., None] * v[:B].double()[..., None, :]
@@ -260,8 +261,8 @@ def _run(m, raw, md, xn, res, rows, triton_on, monkeypatch):
     monkeypatch.setenv("LAPLACE_VLLM_TRITON", "1" if triton_on else "0")
     monkeypatch.setattr(m, "_metadata", lambda: md)
     monkeypatch.setattr(m, "_pools", lambda: (conv_pool, gla_pool))
-    out = torch.full((rows, D), float("nan"))
-    m._forward(xn, res, out)
+    out = res[:rows].clone()                 # the mixer adds into its residual rows in place
+    m._forward(xn, out)
     return out
 
 
