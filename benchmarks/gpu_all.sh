@@ -2,6 +2,7 @@
 # Every GPU row of BENCHMARKS.md, one device-tool call (<= 600 s) per part:
 #   bash benchmarks/gpu_all.sh gla   OUT   # GLA: fla vs the XLA and Pallas forms (fla's first Triton autotuning: ~160 s)
 #   bash benchmarks/gpu_all.sh ops   OUT   # per-op micro-benchmark: the gated mix (XLA vs Pallas), the GLU backward (~60 s)
+#   bash benchmarks/gpu_all.sh kernels OUT # the serving Triton kernels alone: check vs torch + launch sweep (~2 min)
 #   bash benchmarks/gpu_all.sh train OUT   # 3B training on 1 GPU (Pallas vs XLA gated mix) and on all GPUs; JAX decode/prefill
 #   bash benchmarks/gpu_all.sh serve OUT   # 3B through vLLM (after ../shared/tools/vllm-gpu installed it)
 #   bash benchmarks/gpu_all.sh profile OUT # one prefill and 8 decode steps in vLLM under the torch profiler
@@ -9,7 +10,7 @@
 # Wheels the GPU image lacks (fla-core, einops) are installed from .whl/ when present. Each part
 # runs under its own time limit so one hang cannot eat the whole call; logs land in OUT.
 set -uo pipefail
-part=${1:?gla, ops, train, serve, profile or pair}; out=${2:?output folder}
+part=${1:?gla, ops, kernels, train, serve, profile or pair}; out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}   # the checkout's laplace_jax and export (not installed here)
@@ -20,6 +21,9 @@ fi
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/machine.txt"
 bench() { timeout "$1" python3 benchmarks/bench.py "${@:2}"; }
+# vLLM as ../shared/tools/vllm-gpu installs it (/tmp/vsite), on one GPU; FlashInfer's sampler JIT
+# would add ~100 s to each start
+vllm_env() { export PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} VLLM_USE_FLASHINFER_SAMPLER=0 CUDA_VISIBLE_DEVICES=0; }
 case $part in
 gla)
     CUDA_VISIBLE_DEVICES=0 bench 540 --parts gla --reps 7 --fla-timeout 300 --out "$out/gla" > "$out/gla.log" 2>&1 ;;
@@ -36,24 +40,29 @@ train)
         bench 170 --parts train --devices "$ngpu" --micro-batches 8 --reps 3 \
             --out "$out/all" > "$out/all.log" 2>&1
     fi ;;
+kernels)
+    for m in gla_triton gla_prefill_triton mix_triton conv_triton; do
+        CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m export.$m cuda > "$out/$m.log" 2>&1
+        echo "== $m (rc $?)"; tail -12 "$out/$m.log" | cut -c1-200
+    done ;;
 serve)
-    export PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} VLLM_USE_FLASHINFER_SAMPLER=0 CUDA_VISIBLE_DEVICES=0
+    vllm_env
     timeout 540 python3 benchmarks/serve_bench.py --out "$out/serve" --skip-long > "$out/serve.log" 2>&1
     grep "ROW" "$out/serve.log" | cut -c1-200 ;;
 profile)
     # one prefill step (8 x 2,048) and 8 decode steps at width 1,280 in the engine, plus the in-engine
     # path agreement (~70 s after the 3B folder is built in /dev/shm)
-    export PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} VLLM_USE_FLASHINFER_SAMPLER=0 CUDA_VISIBLE_DEVICES=0
+    vllm_env
     timeout 400 python3 benchmarks/serve_profile.py --out "$out/prof" --model-dir /dev/shm/lap > "$out/prof.log" 2>&1
     tail -4 "$out/prof.log" | cut -c1-300 ;;
 pair)
     # issue 15's 2,048-token shape, Laplace then the Llama peer in one call (~390 s after both folders
     # exist); arguments after OUT go to serve_bench, e.g. --config laplace_tiny or --llm-kwargs JSON
-    export PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} VLLM_USE_FLASHINFER_SAMPLER=0 CUDA_VISIBLE_DEVICES=0
+    vllm_env
     timeout 570 python3 benchmarks/serve_bench.py --out "$out/pair" --peer llama --no-half \
         --shapes 1280x2048x256 --model-dir /dev/shm/lap --peer-dir /dev/shm/peer "${@:3}" > "$out/pair.log" 2>&1
     grep "ROW" "$out/pair.log" | cut -c1-200 ;;
-*) echo "usage: $0 gla|ops|train|serve|profile|pair OUT" >&2; exit 2 ;;
+*) echo "usage: $0 gla|ops|kernels|train|serve|profile|pair OUT" >&2; exit 2 ;;
 esac
 rm -f "$out"/*/bench.md
 grep -h "^\[bench\]\|^\[micro\]" "$out"/*.log 2>/dev/null | cut -c1-260

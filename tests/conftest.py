@@ -46,6 +46,16 @@ BENCHMARKS = ROOT / "benchmarks"   # scripts (`python benchmarks/x.py`); their h
 sys.path.insert(0, str(BENCHMARKS))
 
 
+def cpu_vllm_env(**extra: str) -> dict:
+    """The environment for a vLLM CPU subprocess: a small KV/state space (1 GiB) unless set, and no
+    VLLM_USE_V2_MODEL_RUNNER (CPU vLLM refuses the V2 runner: 'Model Runner V2 requires Triton');
+    `extra` wins over both."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_USE_V2_MODEL_RUNNER"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.update(extra)
+    return env
+
+
 def need(module: str):
     """Import a serving dependency: skipped where it is not installed, but a failure in CI (CI=true),
     whose install step must have brought it."""

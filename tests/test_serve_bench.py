@@ -10,19 +10,12 @@ from importlib.metadata import distributions
 
 import pytest
 
-from conftest import BENCHMARKS, ROOT, need  # noqa: E402
+from conftest import BENCHMARKS, ROOT, cpu_vllm_env, need  # noqa: E402
 
 need("torch")
 need("vllm")
 
 import serve_bench  # noqa: E402  (benchmarks/serve_bench.py)
-
-
-def _env(**extra):
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.update(extra)
-    return env
 
 
 def test_entry_point_dist_info(tmp_path):
@@ -79,7 +72,7 @@ def test_classify_steps_not_pure():
 def test_serve_bench_smoke(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, str(BENCHMARKS / "serve_bench.py"), "--smoke", "--out", str(out)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env(), cwd=ROOT)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=cpu_vllm_env(), cwd=ROOT)
     assert p.returncode == 0, f"serve_bench failed (rc={p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}"
     res = json.loads((out / "serve_bench.json").read_text())
     rows = {r["name"]: r["value"] for r in res["rows"]}
@@ -197,7 +190,7 @@ def test_serve_bench_peer_smoke(tmp_path):
     shapes = [(2, 24, 8), (3, 40, 6)]
     cmd = [sys.executable, str(BENCHMARKS / "serve_bench.py"), "--smoke", "--peer", "llama", "--out", str(out),
            "--shapes", ",".join("x".join(map(str, s)) for s in shapes), "--peer-dir", str(peer), "--repeats", "3"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_env(), cwd=ROOT)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=cpu_vllm_env(), cwd=ROOT)
     assert p.returncode == 0, f"serve_bench failed (rc={p.returncode}):\n{p.stdout[-6000:]}\n{p.stderr[-4000:]}"
     res = json.loads((out / "serve_bench.json").read_text())
     rows = {r["name"]: r["value"] for r in res["rows"]}

@@ -2,13 +2,12 @@
 profile it writes, and its in-engine path agreement held to the float32 rounding bound of
 logprob_parity.  The engine runs in the script's own process (as a user runs it).  About 40 s."""
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import BENCHMARKS, ROOT, need  # noqa: E402
+from conftest import BENCHMARKS, ROOT, cpu_vllm_env, need  # noqa: E402
 
 need("torch")
 need("vllm")
@@ -20,11 +19,8 @@ from laplace_jax.config import load_config  # noqa: E402
 
 @pytest.mark.slow
 def test_smoke_profile_and_path_agreement_within_float32_rounding(tmp_path):
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
     r = subprocess.run([sys.executable, str(BENCHMARKS / "serve_profile.py"), "--smoke", "--out", str(tmp_path)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                       cwd=ROOT, env=cpu_vllm_env(), capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     prof = json.loads((tmp_path / "profile.json").read_text())
     a = prof["args"]

@@ -2,14 +2,13 @@
 equal to the plain-torch reference.  Each vLLM run is its own process (`benchmarks/vllm_check.py`)
 because vLLM starts worker processes.  About 40 s per engine start on 2 cores."""
 import json
-import os
 import random
 import subprocess
 import sys
 
 import pytest
 
-from conftest import BENCHMARKS, need  # noqa: E402
+from conftest import BENCHMARKS, cpu_vllm_env, need  # noqa: E402
 
 torch = need("torch")
 need("vllm")
@@ -27,17 +26,10 @@ MAX_NEW = 48
 PROMPTS3 = [[50256], list(range(1000, 1077)), [(37 * i + 11) % 50257 for i in range(37)]]
 
 
-def _env(**extra):
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.update(extra)
-    return env
-
-
 def vllm_run(model_dir, prompts, *args, env=None, timeout=480):
     cmd = [sys.executable, str(BENCHMARKS / "vllm_check.py"), "--model", str(model_dir),
            "--prompts", json.dumps(prompts), "--max-tokens", str(MAX_NEW), *map(str, args)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or _env())
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or cpu_vllm_env())
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("VLLM_CHECK_RESULT ")]
     assert p.returncode == 0 and lines, f"vLLM run failed (rc={p.returncode}):\n{p.stderr[-6000:]}"
     return json.loads(lines[-1].split(" ", 1)[1])
@@ -72,7 +64,7 @@ def test_vllm_offline_parity_and_state_bytes(folder, ref):
     """vLLM's default mode (torch.compile of the backbone; the mixer an opaque custom op)."""
     cfg, out = folder
     res = vllm_run(out, PROMPTS3, "--max-num-seqs", 4, "--state-bytes", "--compile",
-                   env=_env(VLLM_ALLOW_INSECURE_SERIALIZATION="1"))
+                   env=cpu_vllm_env(VLLM_ALLOW_INSECURE_SERIALIZATION="1"))
     for p, got in zip(PROMPTS3, res["outputs"]):
         assert got == ref(p), f"prompt of {len(p)}: {match(got, ref(p))}/{MAX_NEW}"
     want = cfg.num_layers * (cfg.conv_kernel * cfg.d_model + cfg.num_heads * cfg.d_k * cfg.d_v) * 4
@@ -123,7 +115,7 @@ def server(folder, tmp_path_factory):
            "--served-model-name", "laplace", "--dtype", "float32", "--max-model-len", "1024",
            "--max-num-seqs", "8", "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)]
     with open(log, "w") as lf:
-        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=_env())
+        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=cpu_vllm_env())
     base = f"http://127.0.0.1:{port}"
     try:
         t0 = time.time()
