@@ -2,7 +2,7 @@
 # Every GPU row of BENCHMARKS.md, one device-tool call (<= 600 s) per part:
 #   bash benchmarks/gpu_all.sh gla   OUT   # GLA: fla vs the XLA and Pallas forms (fla's first Triton autotuning: ~160 s)
 #   bash benchmarks/gpu_all.sh ops   OUT   # per-op micro-benchmark: the gated mix (XLA vs Pallas), the GLU backward (~60 s)
-#   bash benchmarks/gpu_all.sh kernels OUT # the serving Triton kernels alone: check vs torch + launch sweep (~2 min)
+#   bash benchmarks/gpu_all.sh kernels OUT # the serving Triton kernels alone: launch sweeps (and checks vs torch, but conv) (~2 min)
 #   bash benchmarks/gpu_all.sh train OUT   # 3B training on 1 GPU (Pallas vs XLA gated mix) and on all GPUs; JAX decode/prefill
 #   bash benchmarks/gpu_all.sh serve OUT   # 3B through vLLM (after ../shared/tools/vllm-gpu installed it)
 #   bash benchmarks/gpu_all.sh profile OUT # one prefill and 8 decode steps in vLLM under the torch profiler

@@ -286,13 +286,13 @@ class LaplaceVllmBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] (vLLM's flattened tokens) → [N, D]."""
         xn = layer_norm(x, self.attn_norm.weight, self.eps)
-        self.mixer(xn, x)                       # x += mixer(xn), in place: x is this block's own
-        h = x                                   # (the embedding's or the last block's output)
-        z = layer_norm(h, self.ffn_norm.weight, self.eps)
+        # x += mixer(xn), in place: x is this block's own (the embedding's or the last block's output)
+        self.mixer(xn, x)
+        z = layer_norm(x, self.ffn_norm.weight, self.eps)
         a, b = self.w_12(z).chunk(2, dim=-1)
         # the residual as the GEMM's addend (Inductor keeps an addmm whose users are not all
         # pointwise: here the next layer's LayerNorm and mixer), not a pass of its own
-        return torch.addmm(h, nn.functional.silu(a) * b, self.w_3.weight.t())
+        return torch.addmm(x, nn.functional.silu(a) * b, self.w_3.weight.t())
 
 
 class LaplaceVllmBackbone(nn.Module):
