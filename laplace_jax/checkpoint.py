@@ -83,30 +83,39 @@ def arrays_bytes(*trees: Any) -> int:
 LOG_NAME = "orbax.log"
 
 
+# `absl`: orbax's own records (a failed background save logs one traceback per thread, hundreds of
+# lines). `asyncio`: orbax runs each save's writes in an event loop that it closes as soon as the first
+# write fails, so a second failed write's task is left with its exception never retrieved, and asyncio
+# reports it ("Task exception was never retrieved", a traceback) when the task is freed.
+ROUTED_LOGGERS = ("absl", "asyncio")
+
+
 def log_orbax_to(run_dir: Path) -> Callable[[], None]:
-    """Send orbax's log records (the `absl` logger: a failed background save logs one traceback per
-    thread, hundreds of lines) and the exceptions its aborted tensorstore writes leave unraisable
-    ("Event loop is closed" from callbacks into a finished event loop) to `run_dir/orbax.log` instead of
-    the terminal, which gets one `error:` line naming that file. Returns the undo."""
-    logger = logging.getLogger("absl")
+    """Send the log records of `ROUTED_LOGGERS` and the exceptions orbax's aborted tensorstore writes
+    leave unraisable ("Event loop is closed" from callbacks into a finished event loop) to
+    `run_dir/orbax.log` instead of the terminal, which gets one `error:` line naming that file.
+    Returns the undo."""
     name = LOG_NAME if jax.process_index() == 0 else f"orbax.process{jax.process_index()}.log"
     handler = logging.FileHandler(run_dir / name, delay=True)
     handler.setLevel(logging.WARNING)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(threadName)s: %(message)s"))
-    old_propagate, old_hook = logger.propagate, sys.unraisablehook
-    logger.addHandler(handler)
-    logger.propagate = False
+    loggers = [logging.getLogger(n) for n in ROUTED_LOGGERS]
+    old_propagate, old_hook = [lg.propagate for lg in loggers], sys.unraisablehook
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.propagate = False
 
     def unraisable(u) -> None:
-        logger.warning("unraisable exception in %r: %s", u.object, u.err_msg or "",
-                       exc_info=(u.exc_type, u.exc_value, u.exc_traceback))
+        loggers[0].warning("unraisable exception in %r: %s", u.object, u.err_msg or "",
+                           exc_info=(u.exc_type, u.exc_value, u.exc_traceback))
 
     sys.unraisablehook = unraisable
 
     def undo() -> None:
         sys.unraisablehook = old_hook
-        logger.removeHandler(handler)
-        logger.propagate = old_propagate
+        for lg, propagate in zip(loggers, old_propagate):
+            lg.removeHandler(handler)
+            lg.propagate = propagate
         handler.close()
 
     return undo

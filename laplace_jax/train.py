@@ -26,6 +26,7 @@ if __name__ == "__main__":
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import logging  # noqa: E402
 import math  # noqa: E402
 import signal  # noqa: E402
 import time  # noqa: E402
@@ -546,11 +547,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fail(err: Exception, status: int) -> int:
-    """One `error:` line. A failed orbax restore or save can leave coroutines that were never awaited;
-    Python would print each at exit ("Exception ignored in: <coroutine ...>", hundreds of lines after
-    the error): the process is ending on a reported error, so they are dropped."""
+    """One `error:` line. A failed orbax restore or save can leave coroutines that were never awaited
+    and tasks whose exception was never retrieved (ckpt.ROUTED_LOGGERS), held by the error's own
+    traceback; Python and asyncio would print each when it is freed, at exit ("Exception ignored in:
+    <coroutine ...>", "Task exception was never retrieved": up to hundreds of lines after the error;
+    orbax.log has the failures): the process is ending on a reported error, so they are dropped."""
     print(f"error: {err}", file=sys.stderr, flush=True)
     sys.unraisablehook = _drop_unawaited_coroutines
+    logging.getLogger("asyncio").disabled = True
     return status
 
 
