@@ -46,6 +46,15 @@ BENCHMARKS = ROOT / "benchmarks"   # scripts (`python benchmarks/x.py`); their h
 sys.path.insert(0, str(BENCHMARKS))
 
 
+def cli_env(**extra: str) -> dict:
+    """The environment of a JAX command-line subprocess (`python -m laplace_jax.train`, ...): CPU and no
+    XLA_FLAGS (this process's 8 emulated devices; the CLI takes --local-devices); `extra` wins."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    env.update(extra)
+    return env
+
+
 def cpu_vllm_env(**extra: str) -> dict:
     """The environment for a vLLM CPU subprocess: a small KV/state space (1 GiB) unless set, and no
     VLLM_USE_V2_MODEL_RUNNER (CPU vLLM refuses the V2 runner: 'Model Runner V2 requires Triton');
@@ -96,11 +105,9 @@ def count_compiles() -> Iterator[collections.Counter[str]]:
 def trained_tiny(tmp_path_factory) -> Path:
     """The README's main job: the tiny config trained 200 steps on the demo corpus (one CPU device)."""
     run = tmp_path_factory.mktemp("trained") / "tiny"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
     cmd = [sys.executable, "-m", "laplace_jax.train", "--config", "laplace_tiny", "--run-dir", str(run),
            "--local-devices", "1", "--steps", "200", "train.eval_every=100", "train.ckpt_every=200"]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    p = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stderr[-3000:]
     return run
 

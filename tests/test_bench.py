@@ -1,21 +1,19 @@
 """`python benchmarks/bench.py --smoke` on CPU: every section runs and prints positive numbers."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from conftest import cli_env
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_bench_smoke(tmp_path):
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    env["JAX_PLATFORMS"] = "cpu"
     p = subprocess.run([sys.executable, "benchmarks/bench.py", "--smoke", "--profile", "--out", str(tmp_path)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                       cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     want = ["ours chunk_simple_gla (num_chunks=16, hand_off=scan) fwd+bwd",
             "ours chunk_simple_gla (num_chunks=16, hand_off=matmul) fwd+bwd", "micro-step fwd+bwd B=2 x 64",
@@ -33,8 +31,7 @@ def test_bench_smoke(tmp_path):
 def test_ops_micro_benchmark_smoke():
     """benchmarks/gpu_ops_micro.py --smoke on CPU: every case runs, and the Pallas mix and the GLU
     forms agree with their references."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
+    env = cli_env(PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, "benchmarks/gpu_ops_micro.py", "--smoke"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -58,7 +55,7 @@ def _check_rows(out_dir, stdout, want):
 
 def test_bench_smoke_fsdp_two_devices(tmp_path):
     """The 2-device train rows (FSDP mesh + all_to_all Muon) run on two emulated CPU devices."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = cli_env(XLA_FLAGS="--xla_force_host_platform_device_count=2")
     p = subprocess.run([sys.executable, "benchmarks/bench.py", "--smoke", "--parts", "train", "--devices", "2",
                         "--micro-batches", "2,2:train.grad_sync=micro", "--out", str(tmp_path)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -3,7 +3,6 @@ streamed length evaluation = one full forward, passkey/MQAR generators checked b
 scorers, the MQAR stream resumes exactly, and a tiny model learns MQAR above chance."""
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -16,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, cli_env
 from laplace_jax.config import ConfigError, load_config
 from laplace_jax.data import pipeline
 from laplace_jax.data.mqar import IGNORE, MQARSource, MQARSpec, query_distances
@@ -39,9 +38,7 @@ MQAR_TINY = ["model.seq_len=64", "model.num_chunks=4", "model.vocab_size=64", "m
 
 
 def _cli(module, *args, timeout=900):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, env=cli_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, logit_atol, mean_ce_rtol, need, write_run
+from conftest import ROOT, cli_env, logit_atol, mean_ce_rtol, need, write_run
 
 torch = need("torch")
 need("transformers")
@@ -105,7 +105,7 @@ def test_greedy_equals_jax_generate(exported, hf):
     for text in PROMPTS:
         cmd += ["--prompt", text]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+                       env=cli_env())
     assert p.returncode == 0, p.stderr[-3000:]
     jax_ids = [json.loads(ln.split(":", 1)[1]) for ln in p.stdout.splitlines() if ln.startswith("prompt ids:")]
     jax_new = [json.loads(ln.split(":", 1)[1]) for ln in p.stdout.splitlines() if ln.startswith("new ids:")]

@@ -6,7 +6,6 @@ staggered-arrival decode compiles exactly the configured decode widths; `platfor
 without jax-neuronx fails with one line holding the install command."""
 import dataclasses
 import importlib.util
-import os
 import re
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import count_compiles, mean_ce_rtol
+from conftest import cli_env, count_compiles, mean_ce_rtol
 from hlo_checks import hlo_report, neuron_violations
 from laplace_jax.cli import EXIT_USAGE
 from laplace_jax.config import ConfigError, load_config, resolve_execution
@@ -268,8 +267,7 @@ def test_platform_neuron_without_neuronx_is_one_line():
     with pytest.raises(ConfigError) as e:
         select_platform("neuron")
     assert NEURON_INSTALL in str(e.value) and "\n" not in str(e.value)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = cli_env()
     p = subprocess.run([sys.executable, "-m", "laplace_jax.train", "--platform", "neuron"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == EXIT_USAGE and p.stdout == ""   # a config problem: fix the command, rerun
@@ -304,8 +302,7 @@ def test_neuron_mode_config():
 @pytest.mark.slow
 def test_train_cli_neuron_mode_resumes(tmp_path):
     """`neuron_mode=true` trains on CPU (rbg keys, host init, unrolled graphs) and resumes exactly."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = cli_env()
     common = [sys.executable, "-m", "laplace_jax.train", "--run-dir", str(tmp_path), "neuron_mode=true",
               "train.ckpt_every=1", "train.eval_every=1000", "train.async_ckpt=false"]
     for steps in (2, 3):

@@ -2,13 +2,13 @@
 one-line error naming the step, the last checkpoint saved from finite weights and the fix; non-finite
 float settings are config errors; metrics.jsonl is strict JSON."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import cli_env
 from laplace_jax.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -17,11 +17,9 @@ FAST = ["train.log_every=1", "train.eval_every=1", "train.eval_batches=1", "trai
 
 
 def _start(run_dir, *args):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
     cmd = [sys.executable, "-m", "laplace_jax.train", "--config", "laplace_tiny", "--run-dir", str(run_dir),
            "--local-devices", "1", *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _finish(proc):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, cli_env
 from laplace_jax.config import load_config
 from laplace_jax.info import model_report
 
@@ -29,8 +29,8 @@ def _run(cmd, **kw) -> subprocess.CompletedProcess:
 
 def _user_env() -> dict[str, str]:
     """This environment without the checkout on PYTHONPATH (the wheel's copy must be the one found)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = cli_env()
+    env.pop("PYTHONPATH", None)
     return env
 
 

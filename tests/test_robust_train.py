@@ -3,9 +3,7 @@ SIGTERM saves and exits 128+15, a resumed run's metrics.jsonl and TensorBoard sc
 once, a full disk or a failing background save stops the run with one line and the previous checkpoint
 intact. Real `python -m laplace_jax.train` processes on a 1-layer tiny config (about 20 s each)."""
 import json
-import os
 import resource
-import shutil
 import signal
 import socket
 import subprocess
@@ -16,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import cli_env
 from laplace_jax.checkpoint import available_steps, load_params
 from laplace_jax.metrics import TB_TAGS
 
@@ -25,8 +24,7 @@ SMALL = ["--config", "laplace_tiny", "model.num_layers=1", "train.log_every=1", 
 
 
 def _start(run_dir, *args, preexec=None):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = cli_env()
     cmd = [sys.executable, "-m", "laplace_jax.train", "--run-dir", str(run_dir), "--local-devices", "1",
            *SMALL, *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -234,8 +232,7 @@ undo()
 
 
 def _failed_save(*args):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = cli_env()
     return subprocess.run([sys.executable, "-c", _FAILED_SAVE, *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
 

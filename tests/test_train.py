@@ -1,7 +1,6 @@
 """`python -m laplace_jax.train` end to end on the demo corpus: learning, exact resume after SIGKILL,
 kill during an async save, multi-process = single-process, and one-line errors for bad input."""
 import json
-import os
 import shutil
 import signal
 import socket
@@ -13,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import cli_env
 from laplace_jax.train import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,10 +21,7 @@ FAST = ["train.log_every=1", "train.eval_every=1000", "train.ckpt_every=1"]
 
 
 def run_train(run_dir, *args, devices=1, wait=True, extra_env=None):
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    env["JAX_PLATFORMS"] = "cpu"
-    env.update(extra_env or {})
+    env = cli_env(**(extra_env or {}))
     cmd = [sys.executable, "-m", "laplace_jax.train", "--run-dir", str(run_dir), "--local-devices", str(devices),
            *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
