@@ -267,8 +267,7 @@ def test_platform_neuron_without_neuronx_is_one_line():
     with pytest.raises(ConfigError) as e:
         select_platform("neuron")
     assert NEURON_INSTALL in str(e.value) and "\n" not in str(e.value)
-    env = cli_env()
-    p = subprocess.run([sys.executable, "-m", "laplace_jax.train", "--platform", "neuron"], cwd=ROOT, env=env,
+    p = subprocess.run([sys.executable, "-m", "laplace_jax.train", "--platform", "neuron"], cwd=ROOT, env=cli_env(),
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == EXIT_USAGE and p.stdout == ""   # a config problem: fix the command, rerun
     lines = p.stderr.strip().splitlines()

@@ -24,10 +24,9 @@ SMALL = ["--config", "laplace_tiny", "model.num_layers=1", "train.log_every=1", 
 
 
 def _start(run_dir, *args, preexec=None):
-    env = cli_env()
     cmd = [sys.executable, "-m", "laplace_jax.train", "--run-dir", str(run_dir), "--local-devices", "1",
            *SMALL, *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    return subprocess.Popen(cmd, cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=preexec)
 
 
@@ -232,9 +231,8 @@ undo()
 
 
 def _failed_save(*args):
-    env = cli_env()
-    return subprocess.run([sys.executable, "-c", _FAILED_SAVE, *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", _FAILED_SAVE, *args], cwd=ROOT, env=cli_env(),
+                          capture_output=True, text=True, timeout=120)
 
 
 def test_a_failed_saves_orphaned_write_prints_nothing_after_the_error_line():
