@@ -22,6 +22,9 @@ def test_bound_grows_with_dtype_depth_length_and_logit_scale():
     # 3B float32: 8 * 2^-24 * (sqrt(8*24) + sqrt(24*2048) + sqrt(3072)) * 7.25
     assert abs(b32 - 8 * 2.0 ** -24 * (192 ** 0.5 + 49152 ** 0.5 + 3072 ** 0.5) * 7.25) < 1e-12
     assert bound("bfloat16", 24, 3072, 2048, 7.25) > 1000 * b32
+    # bf16 activations: u = 2^-8 (torch.finfo(torch.bfloat16).eps / 2; 2^-9 was used before)
+    b16 = 8 * (2.0 ** -8 * 192 ** 0.5 + 2.0 ** -24 * (49152 ** 0.5 + 3072 ** 0.5)) * 7.25
+    assert abs(bound("bfloat16", 24, 3072, 2048, 7.25) - b16) < 1e-12
     assert bound("float32", 24, 3072, 2048, 0.5) == bound("float32", 24, 3072, 2048, 1.0)   # |logit| floor 1
     assert bound("float32", 24, 3072, 8192, 7.25) > b32 and bound("float32", 96, 3072, 2048, 7.25) > b32
 
