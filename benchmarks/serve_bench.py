@@ -13,8 +13,8 @@ as it is known, so a run killed part-way still reports what it measured):
 
 a. a Hugging-Face folder with random weights (normal, std 0.02; norms 1) in bf16 (smoke: float32),
    config.json / tokenizer from export.convert's writers;
-b. on CUDA: `export.gla_triton.check_decode_kernel()` (fails if the error is > 1e-3) and
-   `export.gla_prefill_triton.prefill_errors()` at the run's dtype (fails over its `tolerance`);
+b. on CUDA: `export.checks.check_decode_kernel()` (fails if the error is > 1e-3) and
+   `export.checks.prefill_errors()` at the run's dtype (fails over its `prefill_tolerance`);
 c. one `vllm.LLM` (prefix caching off): state bytes per sequence as allocated, pool slots;
 d. A = requests × prompt_len prompts, new_tokens greedy tokens each (ignore_eos); H = the same
    with new//2 tokens; B = with max_tokens=1.  End-to-end tok/s = requests·new/tA; the last
@@ -301,20 +301,21 @@ def _model_folder(a, cfg, name: str, explicit: Optional[str], stamp: dict,
 
 def check_prefill(dtype: str, rows) -> bool:
     """Phase b's prefill kernel check at the serving dtype and the precision the engine then uses
-    (`gla_prefill_triton.default_precision`: ieee for float32, bf16 products for bf16) and o in
+    (`gla_prefill.default_precision`: ieee for float32, bf16 products for bf16) and o in
     float32 (as the vLLM mixer asks for it) against the float64 recurrence; False (logged) when
-    not `gla_prefill_triton.within_tolerance`."""
+    not `checks.within_tolerance`."""
     import torch
-    from export import gla_prefill_triton as gpt
+    from export import checks
+    from export.ops.gla_prefill import default_precision
 
     tdt = torch.float32 if dtype == "float32" else torch.bfloat16
-    prec = gpt.default_precision(tdt)
-    e = gpt.prefill_errors("cuda", dtype=tdt, precision=prec)
-    err, tol = max(e["o"], e["state"]), gpt.tolerance(prec)
+    prec = default_precision(tdt)
+    e = checks.prefill_errors("cuda", dtype=tdt, precision=prec)
+    err, tol = max(e["o"], e["state"]), checks.prefill_tolerance(prec)
     log(f"b. prefill kernel ({prec}) relative error vs float64: o {e['o']:.2e} state {e['state']:.2e} "
         f"(tolerance {tol:.1e}), {e['changed']} elements changed outside the states, seed {e['seed']}")
     rows.add(f"prefill kernel relative error ({prec})", err, "")
-    ok = gpt.within_tolerance(e, prec)
+    ok = checks.within_tolerance(e, prec)
     if not ok:
         log("b. FAILED: prefill kernel check")
     return ok
@@ -337,7 +338,8 @@ def llama_folder(a, cfg, hf: dict, device: str, max_len: int) -> tuple:
 
 def _pool_info(worker):
     """Runs in the vLLM worker: state bytes per sequence slot, slots in the pool, decode path."""
-    from export import gla_triton, vllm_model
+    from export import vllm_model
+    from export.ops import triton_switch
     from vllm_check import _state_bytes   # benchmarks/vllm_check.py (this script's folder)
 
     info = _state_bytes(worker)
@@ -349,7 +351,7 @@ def _pool_info(worker):
     if mixers:
         conv, gla = mixers[0]._pools()
         slots = int(gla.shape[0])
-        path = "triton" if gla_triton.available(gla) else "torch"
+        path = "triton" if triton_switch.available(gla) else "torch"
     return {"bytes": info["bytes"], "slots": slots, "decode_path": path}
 
 
@@ -979,13 +981,14 @@ def check_kernel(rows: Rows, dtype: str) -> bool:
     prefill kernel at the run's dtype (`check_prefill`); CUDA only."""
     import torch
 
-    from export import gla_triton
+    from export import checks
+    from export.ops import triton_switch
     try:
-        if gla_triton.triton is None:
+        if triton_switch.triton is None:
             log("b. WARNING: triton is not importable: vLLM will use the torch decode path")
             rows.add("decode kernel check", "triton missing", "")
             return True
-        err = gla_triton.check_decode_kernel("cuda")
+        err = checks.check_decode_kernel("cuda")
         log(f"b. decode kernel max abs error vs torch gla_step: {err:.3e}")
         rows.add("decode kernel max abs error", err, "")
         if not err <= 1e-3:

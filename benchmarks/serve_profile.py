@@ -214,10 +214,10 @@ def main(argv=None) -> int:
     llm = LLM(**kw)
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     prompts = [{"prompt_token_ids": p} for p in make_prompts(a.prefill_seqs, a.prompt_len, seed=3)]
-    from export import gla_triton
+    from export.ops import triton_switch
     res = {"args": vars(a), "device": torch.cuda.get_device_name() if cuda else "cpu",
            # where triton cannot run (CPU), both prefill rows are the torch path
-           "triton_runs_here": gla_triton.available(torch.empty(0, device="cuda" if cuda else "cpu"))}
+           "triton_runs_here": triton_switch.available(torch.empty(0, device="cuda" if cuda else "cpu"))}
 
     res["path_agreement"] = path_agreement(llm)
     log(f"paths: {res['path_agreement']}")

@@ -84,6 +84,22 @@ def import_interpreted(*modules: str) -> list:
         return [importlib.import_module(m) for m in modules]
 
 
+def interpreter_fixture(*kernels):
+    """An autouse fixture for a module of Triton kernel tests: checks that `kernels` (and triton's own
+    library) were decorated for the CPU interpreter (imported through `import_interpreted`), and sets
+    TRITON_INTERPRET=1 for the test's calls, with LAPLACE_VLLM_TRITON unset (the default: on).
+    Use as `interpret = interpreter_fixture(module._kernel, ...)` at module level."""
+    @pytest.fixture(autouse=True)
+    def interpret(monkeypatch):
+        from triton.runtime.interpreter import InterpretedFunction
+        import triton.language.standard as std
+        assert all(isinstance(k, InterpretedFunction) for k in (*kernels, std.sum)), \
+            "triton or export's Triton kernels were imported before TRITON_INTERPRET=1 was set (conftest, this module)"
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.delenv("LAPLACE_VLLM_TRITON", raising=False)
+    return interpret
+
+
 @contextlib.contextmanager
 def count_compiles() -> Iterator[collections.Counter[str]]:
     """XLA compilations inside the block, by function (`jit(prefill)`): jax.monitoring's backend

@@ -3,7 +3,7 @@ conv window read from and written back to vLLM's state pool in place.
 
 The tokens of R requests lie back to back (request r owns rows cu_seqlens[r]:cu_seqlens[r+1]).
 Request r continues from the window W = pool[slots[r]] [C, D] (its last C inputs, oldest first;
-zeros when keep[r] is False) and, as `torch_model.conv_with_state`,
+zeros when keep[r] is False) and, as `reference.conv_with_state`,
 
     u_t = b + Σ_c w[:, c] · x_{t-(C-1)+c}          (x_τ for τ < 0 is W[C + τ])
     W'  = the last C inputs of W ++ x
@@ -28,12 +28,12 @@ from typing import Optional
 
 import torch
 
-from export.gla_triton import triton, tl
+from export.ops.triton_switch import require, rowmajor, tl, triton
 
 # D = 3072: 48 channel blocks per request; each block of 32 tokens loads C shifted [32, 64] tiles
 # of x (the shifts hit L1/L2: about one read of x overall) and stores one.  On an H200 at 8 × 2,048
 # bf16 tokens: 0.226 ms a layer, against 0.246 for [64, 64] tiles and 0.35-0.50 for wider
-# channel blocks (`bench_conv_kernel`, BENCHMARKS run S7); with segments, 4.15 ms a prefill step
+# channel blocks (benchmarks/ops/bench_kernels.py, BENCHMARKS run S7); with segments, 4.15 ms a prefill step
 # in the engine = 0.173 ms a layer (run S10; the stand-alone bench spread ±30 % between leases).
 BLOCK_D = 64
 BLOCK_T = 32
@@ -120,8 +120,7 @@ def conv_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Te
     dtype (rows outside every request are left uninitialised).  block_t, block_d: the tile
     (powers of 2); seg_tiles: tiles per segment; n_split: programs per (request, channel block),
     None: `default_split`."""
-    if triton is None:
-        raise RuntimeError("export.conv_triton: triton is not installed")
+    require("export.ops.conv")
     T, D = x.shape
     C = weight.shape[-1]
     R = slots.shape[0]
@@ -132,7 +131,7 @@ def conv_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Te
     u = torch.empty_like(x, memory_format=torch.contiguous_format)
     if R == 0 or T == 0:
         return u
-    x = x if x.stride(-1) == 1 else x.contiguous()
+    x = rowmajor(x)
     block_d = min(block_d, triton.next_power_of_2(D))
     seg = block_t * seg_tiles
     n_split = default_split(T, R, seg) if n_split is None else n_split
@@ -161,56 +160,7 @@ def conv_decode_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Ten
     """One decode step: row b of x [B, D] is the next input of the sequence whose window is
     pool[slots[b]] (zeros where keep[b] is False).  Returns SiLU(u) [B, D] in x's dtype; the
     windows are updated in place.  Padding rows may share the null slot 0 (their writes race
-    there, harmlessly, as in gla_triton)."""
+    there, harmlessly, as in gla_decode)."""
     cu = torch.arange(x.shape[0] + 1, device=x.device, dtype=torch.int32)
     return conv_prefill_inplace(pool, slots, keep, x, weight, bias, cu, silu, block_t=1, block_d=DECODE_BLOCK_D,
                                 seg_tiles=1, n_split=1)
-
-
-def bench_conv_kernel(prefill_tokens: int = 16384, width: int = 1280, D: int = 3072, C: int = 4,
-                      tiles=((32, 64, 8, 1), (32, 64, 8, None), (32, 64, 8, 8), (32, 64, 4, 16),
-                             (32, 64, 16, 4), (32, 64, 8, 64), (64, 64, 4, None), (16, 128, 16, None))) -> dict:
-    """CUDA, bf16, the 3B width.  Prefill: `conv_prefill_inplace` on 8 requests of
-    prefill_tokens / 8 tokens per launch setting (block_t, block_d, seg_tiles, n_split; n_split 1
-    is one program walking each request, None the default), and its HBM traffic (x read, u
-    written) in TB/s.  Decode at `width` rows: the torch decode path's window gather, `conv_step` and scatter
-    against `conv_decode_inplace`."""
-    from export.gla_prefill_triton import _time_ms
-    from export.torch_model import conv_step
-
-    g = torch.Generator(device="cpu").manual_seed(0)
-    w = torch.randn(D, 1, C, generator=g).to("cuda", torch.bfloat16)
-    b = torch.randn(D, generator=g).to("cuda", torch.bfloat16)
-    pool = torch.zeros(width + 8, C, D, device="cuda")
-    out = {}
-    R = 8
-    slots = torch.arange(1, R + 1, device="cuda")
-    keep = torch.ones(R, dtype=torch.bool, device="cuda")
-    cu = torch.arange(0, prefill_tokens + 1, prefill_tokens // R, device="cuda", dtype=torch.int32)
-    x = torch.randn(prefill_tokens, D, generator=g).to("cuda", torch.bfloat16)
-    gb = 2 * x.numel() * x.element_size() / 1e9
-    for bt, bd, st, ns in tiles:
-        ms = _time_ms(lambda: conv_prefill_inplace(pool, slots, keep, x, w, b, cu, block_t=bt, block_d=bd,
-                                                   seg_tiles=st, n_split=ns))
-        split = default_split(prefill_tokens, R, bt * st) if ns is None else ns
-        out[f"prefill {prefill_tokens} tokens BT={bt} BD={bd} seg={bt * st} split={split}"
-            + (" (default)" if ns is None else "")] = (ms, gb / ms)
-    slots = (torch.randperm(width + 7, generator=g)[:width] + 1).cuda()
-    keep = torch.ones(width, dtype=torch.bool, device="cuda")
-    xd = x[:width]
-
-    def torch_step():       # the torch decode path's conv: gather, conv_step, scatter
-        u, window = conv_step(xd, torch.where(keep.view(-1, 1, 1), pool[slots], 0.0), w, b)
-        pool[slots] = window.float()
-        return torch.nn.functional.silu(u)
-
-    gb = 2 * width * C * D * 4 / 1e9
-    out[f"decode {width} rows torch"] = (_time_ms(torch_step), gb)
-    ms = _time_ms(lambda: conv_decode_inplace(pool, slots, keep, xd, w, b))
-    out[f"decode {width} rows triton"] = (ms, gb / ms)
-    return out
-
-
-if __name__ == "__main__":  # python -m export.conv_triton   (CUDA: the bench; the checks are tests)
-    for name, (ms, tbs) in bench_conv_kernel().items():
-        print(f"bench conv {name}: {ms:.3f} ms" + (f" = {tbs:.2f} TB/s" if "torch" not in name else ""))

@@ -8,7 +8,7 @@ import numpy as np
 
 from conftest import cli_env
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_smoke(tmp_path):

@@ -31,7 +31,7 @@ from laplace_jax.sharding import make_mesh, param_shardings
 from laplace_jax.train import loss_fn, make_train_step
 from test_gla import gla_roundings, magnitude, numpy_gla, numpy_gla_grads, within_f32
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HAS_NEURONX = importlib.util.find_spec("jax_neuronx") is not None
 MUON_KINDS = 4  # w_12, w_3, w_out, w_qkvg: one stacked Newton-Schulz lax.map each
 

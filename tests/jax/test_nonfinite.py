@@ -11,7 +11,7 @@ import pytest
 from conftest import cli_env
 from laplace_jax.config import ConfigError, load_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # one device, one held-out batch, a checkpoint every step
 FAST = ["train.log_every=1", "train.eval_every=1", "train.eval_batches=1", "train.ckpt_every=1"]
 

@@ -18,7 +18,7 @@ from conftest import cli_env
 from laplace_jax.checkpoint import available_steps, load_params
 from laplace_jax.metrics import TB_TAGS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--config", "laplace_tiny", "model.num_layers=1", "train.log_every=1", "train.eval_every=4",
          "train.eval_batches=1"]
 

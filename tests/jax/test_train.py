@@ -15,7 +15,7 @@ import pytest
 from conftest import cli_env
 from laplace_jax.train import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # 1 emulated device per process unless a test says otherwise; checkpoints every step
 FAST = ["train.log_every=1", "train.eval_every=1000", "train.ckpt_every=1"]
 

@@ -1,8 +1,8 @@
 """Load an exported folder the way a Hugging Face user does, with this project NOT importable.
 
-    python -I tests/hf_clean_load.py DIR OUT.pt MAX_NEW PROMPT [PROMPT ...]
+    python -I tests/serve/hf_clean_load.py DIR OUT.pt MAX_NEW PROMPT [PROMPT ...]
 
-Run by tests/test_hf_loading.py in a subprocess (isolated mode, cwd elsewhere, offline). The editable
+Run by tests/serve/test_hf_loading.py in a subprocess (isolated mode, cwd elsewhere, offline). The editable
 install still puts `export` and `laplace_jax` on the import path, so they are refused here: the folder
 must carry all the code it runs. Saves to OUT.pt: the prompt ids (AutoTokenizer with and without
 trust_remote_code), the greedy tokens of each prompt alone and of all prompts as one left-padded batch,

@@ -1,6 +1,6 @@
 """An exported folder through Hugging Face `transformers`, loaded as by a user who has neither jax nor
 this project: `AutoTokenizer` + `AutoModelForCausalLM(trust_remote_code=True)` in a clean subprocess
-(tests/hf_clean_load.py). Greedy `generate` equals `python -m laplace_jax.generate` token for token,
+(tests/serve/hf_clean_load.py). Greedy `generate` equals `python -m laplace_jax.generate` token for token,
 logits equal the torch module's within float32 rounding, and the shipped modelling code is the
 project's own source (these end-to-end tests, marked slow: 35-50 s on 2 shared CPU cores). Plus the
 remote-code copier's walk and refusals (unit tests, well under a second)."""
@@ -53,7 +53,7 @@ def hf(exported, tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env.update(HF_HOME=str(elsewhere / "hf_home"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     out = elsewhere / "out.pt"
-    p = subprocess.run([sys.executable, "-I", str(ROOT / "tests" / "hf_clean_load.py"), str(folder), str(out),
+    p = subprocess.run([sys.executable, "-I", str(ROOT / "tests" / "serve" / "hf_clean_load.py"), str(folder), str(out),
                         str(MAX_NEW), *PROMPTS], cwd=elsewhere, env=env, stdin=subprocess.DEVNULL,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]
