@@ -9,6 +9,9 @@ names and layouts are the `torch_name` / `to_torch` columns of `laplace_jax.spec
 
 State per layer (float32): ``conv [B, C, D]`` (the last C layer-normed inputs, oldest first) and
 ``gla [B, H, K, V]``; bytes per sequence ``L * (C*D + H*K*V) * 4``.
+
+The math (conv, chunked and one-step GLA, gated_mix, LayerNorm) is export/reference.py's, which
+the vLLM model's torch path runs too; this module holds the modules, state and loading.
 """
 import json
 import os
