@@ -416,8 +416,8 @@ def _announce_and_compile(run: Run) -> tuple[Callable, Callable]:
              f"tokens/step = {L.accum} x {L.micro} x {L.seq_len} | data {run.data}")
     log.note(str(prog.report))
     n_eval = run.cfg.train.eval_batches
-    log.note(f"held-out loss: every {run.cfg.train.eval_every} steps, the mean over the first {n_eval} batches of "
-             f"{L.micro} x {L.seq_len} of the held-out split (train.eval_batches={n_eval}; "
+    log.note(f"held-out loss: every {run.cfg.train.eval_every} steps and at the end, the mean over the first "
+             f"{n_eval} batches ({L.micro} x {L.seq_len} tokens each) of the held-out split (train.eval_batches; "
              f"python -m laplace_jax.eval scores the whole split)")
     if run.resumed:
         log.note(f"resumed from step {run.start} ({run.run_dir / 'checkpoints' / str(run.start)}) "
