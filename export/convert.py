@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
+from export.file_mode import set_plain_file_mode
 from export.torch_model import CONFIG_NAME, WEIGHTS_NAME
 from laplace_jax import spec
 from laplace_jax.spec import EOS_TOKEN_ID, Arch
@@ -178,6 +179,7 @@ def write_hf_folder(out: Path, cfg: Arch, tensors: dict, dtype: str, *, step: Op
     out.mkdir(parents=True, exist_ok=True)
     auto_map = write_remote_code(out)   # first: code that cannot be shipped fails before the weights are written
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+    set_plain_file_mode(out / WEIGHTS_NAME)   # safetensors writes it 0600 (a private temp file, renamed)
     hf = hf_config_dict(cfg, dtype, max_len)
     hf["auto_map"] = auto_map           # transformers' trust_remote_code entry points
     if step is not None:

@@ -42,10 +42,13 @@ def _cli(module, *args, timeout=900):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def _train(run_dir, config, steps, *overrides):
+def _train(run_dir, config, steps, *overrides, log: list | None = None):
+    """metrics.jsonl's rows of a fresh run; its console output appended to `log` if given."""
     p = _cli("laplace_jax.train", "--config", config, "--run-dir", run_dir, "--local-devices", 1,
              "--steps", steps, *overrides)
     assert p.returncode == 0, p.stderr[-3000:]
+    if log is not None:
+        log.append(p.stdout + p.stderr)
     return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -229,14 +232,14 @@ def _gpt2_token_bytes() -> dict[int, int]:
 
 @pytest.fixture(scope="module")
 def text_run(tmp_path_factory):
-    """laplace_tiny, 2 steps on the demo corpus, the held-out loss logged at step 2."""
-    run = tmp_path_factory.mktemp("eval") / "tiny"
-    recs = _train(run, "laplace_tiny", 2, "train.eval_every=2", "train.ckpt_every=2", "train.eval_batches=2")
-    return run, recs[-1]["eval_loss"]
+    """laplace_tiny, 2 steps on the demo corpus, the held-out loss logged at step 2 (and the run's output)."""
+    run, log = tmp_path_factory.mktemp("eval") / "tiny", []
+    recs = _train(run, "laplace_tiny", 2, "train.eval_every=2", "train.ckpt_every=2", "train.eval_batches=2", log=log)
+    return run, recs[-1]["eval_loss"], log[0]
 
 
 def test_heldout_equals_the_trainers_eval_loss_and_cli_writes_results(text_run, tmp_path):
-    run, logged = text_run
+    run, logged, train_log = text_run
     out = tmp_path / "out"
     p = _cli("laplace_jax.eval", "--checkpoint", run, "--out", out, "--heldout-batches", 2, "--length-factor", 2,
              "--length-sequences", 2, "--passkey-lengths", "64,128", "--passkey-depths", "0,1",
@@ -256,6 +259,14 @@ def test_heldout_equals_the_trainers_eval_loss_and_cli_writes_results(text_run, 
     assert h["bytes"] == nbytes == text_bytes(get_tokenizer(), np.concatenate([b["targets"].ravel() for b in batches]))
     assert h["bits_per_byte"] == pytest.approx(h["loss"] * h["tokens"] / math.log(2) / nbytes, rel=1e-12)
     assert h["perplexity"] == pytest.approx(math.exp(h["loss"]), rel=1e-12)
+    # both command lines say which batches their held-out loss averaged (the trainer's: its first
+    # train.eval_batches; eval's: here the same two, by default the whole split)
+    windows = pipeline.TokenWindows(pipeline.resolve_data_dir(""), "val", seq_len=256, vocab_size=50304).num_windows
+    assert (h["split_windows"], h["trainer_batches"]) == (windows, 2)
+    assert (f"batches: 2 of 4 x 256 tokens = the first 8 of the split's {windows:,} windows; the trainer's "
+            f"eval_loss averages its first 2 batches") in p.stdout, p.stdout
+    assert "the mean over the first 2 batches (4 x 256 tokens each) of the held-out split" in train_log
+    assert f"held-out loss {logged:.4f} (2 batches)" in train_log
     L = res["tasks"]["length"]
     assert L["length"] == 512 and len(L["mean_nll"]) == 512 // 64 and L["past_seq_len"] > 0
     assert len(res["tasks"]["passkey"]["cells"]) == 4 and res["tasks"]["mqar"]["queries"] == 8 * 8
@@ -264,7 +275,7 @@ def test_heldout_equals_the_trainers_eval_loss_and_cli_writes_results(text_run, 
 
 
 def test_cli_errors_are_one_line(text_run, tmp_path):
-    run, _ = text_run
+    run = text_run[0]
     moved = tmp_path / "moved"
     shutil.copytree(run, moved)
     meta = next((moved / "checkpoints").glob("*/meta/metadata"))

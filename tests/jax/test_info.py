@@ -60,3 +60,12 @@ def test_cli_bad_override_is_one_line(capsys):
     assert main(["--config", "laplace_3b", "model.d_modle=5"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "did you mean 'd_model'" in err
+
+
+def test_cli_text_units_fit_the_tiny_model(capsys):
+    """Counts and bytes in the unit of their size (the tiny model's 327,680 Muon parameters read 0.000 B)."""
+    assert main(["--config", "laplace_tiny"]) == 0
+    out = capsys.readouterr().out
+    for s in ("Muon  : 327,680 (327.7 k)", "(13.2 M)", "20,480 B (20.5 kB)", ": 8.4 MB -> 409.6x"):
+        assert s in out, s
+    assert "0.000 B" not in out and "(0.0 MB)" not in out

@@ -4,6 +4,8 @@ Needs torch + safetensors (the `serve` extra); skipped without them."""
 import dataclasses
 import json
 import math
+import os
+import stat
 
 import jax
 import numpy as np
@@ -55,6 +57,23 @@ def test_folder_contents(exported):
     assert g["eos_token_id"] == 50256
     t = json.loads((out / "tokenizer_config.json").read_text())
     assert t["eos_token"] == "<|endoftext|>"
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_every_export_file_has_a_plain_files_mode(tmp_path, umask):
+    """Every file of an export has the mode `open()` gives a new file, 0666 minus the umask, as `git
+    clone` leaves files: under umask 022 group and others can read the weights too (safetensors writes
+    them 0600 through a private temporary file; a folder exported by one user is served by another)."""
+    saved = os.umask(umask)
+    try:
+        out = export_params(random_params(ARCH), ARCH, tmp_path / "out", "float32")
+    finally:
+        os.umask(saved)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.rglob("*") if p.is_file()}
+    assert "model.safetensors" in modes and "config.json" in modes and "torch_model.py" in modes, modes
+    assert modes == {name: 0o666 & ~umask for name in modes}, {k: oct(v) for k, v in modes.items()}
+    if umask == 0o022:
+        assert all(m & 0o044 == 0o044 for m in modes.values())
 
 
 def test_torch_full_forward_equals_recurrent_decode(exported):
