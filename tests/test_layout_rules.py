@@ -32,7 +32,8 @@ def test_long_functions_are_found(tmp_path, monkeypatch):
     pkg.mkdir()
     def body(n: int, indent: str) -> str:   # n lines with the def line
         return "\n".join([indent + "x = 0"] * (n - 1))
-    (pkg / "m.py").write_text(f"def ok():\n{body(80, '    ')}\n\n\nclass C:\n    def long(self):\n{body(81, '        ')}\n")
+    text = f"def ok():\n{body(80, '    ')}\n\n\nclass C:\n    def long(self):\n{body(81, '        ')}\n"
+    (pkg / "m.py").write_text(text)
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert long_functions(("pkg",)) == [(81, "pkg/m.py:84 long")]   # ok: lines 1-80
 
