@@ -47,7 +47,7 @@ kernels)
     done ;;
 serve)
     vllm_env
-    timeout 540 python3 benchmarks/serve_bench.py --out "$out/serve" --skip-long > "$out/serve.log" 2>&1
+    timeout 540 python3 benchmarks/serve_bench --out "$out/serve" --skip-long > "$out/serve.log" 2>&1
     grep "ROW" "$out/serve.log" | cut -c1-200 ;;
 profile)
     # one prefill step (8 x 2,048) and 8 decode steps at width 1,280 in the engine, plus the in-engine
@@ -59,7 +59,7 @@ pair)
     # issue 15's 2,048-token shape, Laplace then the Llama peer in one call (~390 s after both folders
     # exist); arguments after OUT go to serve_bench, e.g. --config laplace_tiny or --llm-kwargs JSON
     vllm_env
-    timeout 570 python3 benchmarks/serve_bench.py --out "$out/pair" --peer llama --no-half \
+    timeout 570 python3 benchmarks/serve_bench --out "$out/pair" --peer llama --no-half \
         --shapes 1280x2048x256 --model-dir /dev/shm/lap --peer-dir /dev/shm/peer "${@:3}" > "$out/pair.log" 2>&1
     grep "ROW" "$out/pair.log" | cut -c1-200 ;;
 *) echo "usage: $0 gla|ops|kernels|train|serve|profile|pair OUT" >&2; exit 2 ;;

@@ -147,12 +147,12 @@ def _torch_dtype(dtype: str):
 
 def export_params(params: dict, arch: Arch, out_dir, dtype: str = "float32", *,
                   overwrite: bool = False, tokenizer: bool = True, step: Optional[int] = None,
-                  release: bool = False) -> Path:
+                  release: bool = False, max_len: Optional[int] = None) -> Path:
     """Write config.json, model.safetensors, tokenizer files and generation_config.json.
 
     params: nested dict of numpy arrays in the `spec.PARAMS` tree; arch: its `spec.Arch`. With
     `release`, `params` is emptied as it is converted (see `iter_views`): for a caller that hands
-    its tree over."""
+    its tree over. `max_len`: the length limit written for vLLM/transformers (`model_max_len`)."""
     from export.torch_model import check_state_dict
 
     tdtype = _torch_dtype(dtype)
@@ -163,7 +163,7 @@ def export_params(params: dict, arch: Arch, out_dir, dtype: str = "float32", *,
     check_state_dict(expected_shapes(cfg), converted_shapes(params, cfg.num_layers), str(out))
     tensors = {name: _to_torch(view, tdtype)
                for name, view in iter_views(params, cfg.num_layers, release=release)}
-    write_hf_folder(out, cfg, tensors, dtype, step=step, tokenizer=tokenizer)
+    write_hf_folder(out, cfg, tensors, dtype, step=step, tokenizer=tokenizer, max_len=max_len)
     return out
 
 

@@ -100,3 +100,47 @@ def test_an_explicit_kernel_that_cannot_run_is_an_error(backend, overrides, wher
     for gspmd in (False, True):   # on a GPU it runs (under GSPMD XLA gathers its inputs): kept
         kept = resolve_execution(load_config("laplace_tiny", ["execution.gla_impl=pallas"]), "gpu", gspmd=gspmd)
         assert (kept.execution.gla_impl, kept.execution.mix_impl) == ("pallas", "pallas" if not gspmd else "xla")
+
+
+def _choice_keys() -> list[tuple[str, tuple[str, ...]]]:
+    """(dotted key, allowed values) of every Literal-typed config field."""
+    import dataclasses
+    import typing
+
+    from laplace_jax.choices import is_choice
+    from laplace_jax.config import Config
+
+    keys = []
+    for name, hint in typing.get_type_hints(Config).items():
+        fields = typing.get_type_hints(hint) if dataclasses.is_dataclass(hint) else {"": hint}
+        for sub, h in fields.items():
+            if is_choice(h):
+                keys.append((f"{name}.{sub}" if sub else name, typing.get_args(h)))
+    return keys
+
+
+def test_every_choice_is_checked_against_its_literal():
+    """Each string choice of the config (a Literal type) rejects a value outside it in one line that
+    lists every allowed value, and takes each allowed value as a plain string."""
+    keys = _choice_keys()
+    assert {"execution.remat", "execution.gla_impl", "optim.muon_comm", "data.source", "platform"} <= dict(keys).keys()
+    for key, allowed in keys:
+        with pytest.raises(ConfigError) as e:
+            load_config("laplace_tiny", [f"{key}=bogus"])
+        msg = str(e.value)
+        assert msg.startswith(f"{key}='bogus': choose ") and "\n" not in msg, msg
+        assert all(repr(v) in msg for v in allowed), msg
+        section, _, name = key.rpartition(".")
+        for v in allowed:
+            cfg = load_config("laplace_tiny", [f"{key}={v}"])
+            got = getattr(getattr(cfg, section) if section else cfg, name)
+            assert got == v and type(got) is str, (key, v, got)
+
+
+def test_remat_policies_cover_every_remat_choice():
+    from typing import get_args
+
+    from laplace_jax.choices import Remat
+    from laplace_jax.model import _REMAT_POLICIES
+
+    assert set(_REMAT_POLICIES) | {"none"} == set(get_args(Remat))

@@ -112,7 +112,7 @@ def test_leading_axes_and_the_dispatchers_fallback():
     assert within_f32(gated_mix(*few, EPS, impl="pallas"), numpy_mix(*few), mix_err(*few)) <= 1
     with pytest.raises(ValueError, match="8 tokens are not a multiple of 16; use ops.mix.gated_mix_xla"):
         gated_mix_pallas(*few, EPS)
-    with pytest.raises(ValueError, match="impl='triton': choose 'xla', 'pallas' or 'auto'"):
+    with pytest.raises(ValueError, match="impl='triton': choose 'auto', 'xla' or 'pallas'"):
         gated_mix(*few, EPS, impl="triton")
     assert supported(64, 40, V) == f"head dims K=40, V={V} must be multiples of 16"
 

@@ -1,4 +1,4 @@
-"""benchmarks/serve_bench.py end to end on CPU (`--smoke`: tiny config, vLLM CPU, 4 short requests), plus
+"""benchmarks/serve_bench end to end on CPU (`--smoke`: tiny config, vLLM CPU, 4 short requests), plus
 the entry-point record it writes where the project is not installed.  vLLM runs in its own process
 (it starts worker processes), as in test_vllm.py.  About 1-2 min on 2 cores."""
 import json
@@ -15,14 +15,15 @@ from conftest import BENCHMARKS, ROOT, cpu_vllm_env, need  # noqa: E402
 need("torch")
 need("vllm")
 
-import serve_bench  # noqa: E402  (benchmarks/serve_bench.py)
+from serve_bench import cli, compare, engine, folders, measures, steps  # noqa: E402  (benchmarks/serve_bench/)
+from serve_bench.rows import Rows  # noqa: E402
 
 
 def test_entry_point_dist_info(tmp_path):
     """The dist-info serve_bench writes declares vllm.general_plugins: laplace → the plugin."""
-    serve_bench.write_entry_point_dist(tmp_path)
+    engine.write_entry_point_dist(tmp_path)
     eps = [e for d in distributions(path=[str(tmp_path)]) for e in d.entry_points
-           if e.group == serve_bench.ENTRY_GROUP]
+           if e.group == engine.ENTRY_GROUP]
     assert [(e.name, e.value) for e in eps] == [("laplace", "export.vllm_plugin:register")]
     assert eps[0].load().__name__ == "register"
 
@@ -47,14 +48,14 @@ def test_classify_steps(first, empty_first):
     new, n, P = 6, len(first), max(first)
     ids = [f"r{i}" for i in range(n)]
     calls = _calls(first, new, empty_first)
-    c = serve_bench.classify_steps(calls, ids, new)
+    c = steps.classify_steps(calls, ids, new)
     assert (c["steps"], c["prefill_steps"], c["empty_calls"]) == (P + new - 1, P, int(empty_first))
     assert c["pure_steps"] == new - 1
     assert len(c["full_width_s"]) == new - P - (P == 1)       # the final step is never timed
     assert c["log"][0][0] == pytest.approx(13 if empty_first else 10)     # the empty call's 3 ms
     assert c["full_width_s"] == pytest.approx([0.01] * len(c["full_width_s"]))
     assert sum(ms for ms, *_ in c["log"]) == pytest.approx(1e3 * c["total_s"])     # the times add up
-    st = serve_bench.step_stats(c, n)
+    st = steps.step_stats(c, n)
     assert st["ms_per_token"] == pytest.approx(st["median_ms"] / n) and st["tok_s"] > 0
 
 
@@ -62,16 +63,16 @@ def test_classify_steps_not_pure():
     """Two tokens in one step (a held-back output) is not a decode step; a short request is an error."""
     new, ids = 4, ["a", "b"]
     calls = [(0.01, {"a": 1, "b": 1}), (0.01, {"a": 2, "b": 2}), (0.01, {"a": 4, "b": 3}), (0.01, {"b": 4})]
-    c = serve_bench.classify_steps(calls, ids, new)
+    c = steps.classify_steps(calls, ids, new)
     assert c["pure_steps"] == 2 and [p for *_, p in c["log"]] == [False, True, False, True]
     with pytest.raises(RuntimeError, match="did not end with 4 tokens"):
-        serve_bench.classify_steps(calls[:-1], ids, new)
+        steps.classify_steps(calls[:-1], ids, new)
 
 
 @pytest.mark.slow
 def test_serve_bench_smoke(tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable, str(BENCHMARKS / "serve_bench.py"), "--smoke", "--out", str(out)]
+    cmd = [sys.executable, str(BENCHMARKS / "serve_bench"), "--smoke", "--out", str(out)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=cpu_vllm_env(), cwd=ROOT)
     assert p.returncode == 0, f"serve_bench failed (rc={p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}"
     res = json.loads((out / "serve_bench.json").read_text())
@@ -132,45 +133,45 @@ def test_llama_peer_3b_size():
 
     from laplace_jax.spec import Arch
 
-    hf = serve_bench.llama_config(Arch(), "bfloat16", 8448, head_dim=128)
+    hf = folders.llama_config(Arch(), "bfloat16", 8448, head_dim=128)
     want = dict(architectures=["LlamaForCausalLM"], hidden_size=3072, num_hidden_layers=24,
                 num_attention_heads=24, num_key_value_heads=24, head_dim=128, intermediate_size=8192,
                 vocab_size=50304, tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=10000.0,
                 torch_dtype="bfloat16")
     assert {k: hf[k] for k in want} == want and hf["max_position_embeddings"] >= 8448
-    shapes = serve_bench.llama_shapes(hf)
-    assert serve_bench.param_count(shapes) == pytest.approx(3.03e9, rel=0.01)
+    shapes = folders.llama_shapes(hf)
+    assert folders.param_count(shapes) == pytest.approx(3.03e9, rel=0.01)
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(**hf))
     assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == shapes
 
 
 def test_parse_shapes():
-    S = serve_bench.Shape
-    assert serve_bench.parse_shapes("1280x2048x256, 256x8192x256") == [S(1280, 2048, 256), S(256, 8192, 256)]
+    S = measures.Shape
+    assert measures.parse_shapes("1280x2048x256, 256x8192x256") == [S(1280, 2048, 256), S(256, 8192, 256)]
     assert str(S(1280, 2048, 256)) == "1280x2048x256"
     for bad in ("1280x2048", "4x8x1", "ax2x3"):
         with pytest.raises(Exception, match="REQUESTSxPROMPT_LENxNEW_TOKENS|new_tokens >= 2"):
-            serve_bench.parse_shapes(bad)
+            measures.parse_shapes(bad)
 
 
 @pytest.mark.parametrize("half", [True, False])
 def test_shape_measures(half):
     """Decode from tA − tH over new − new//2 tokens, or (no H run) from tA − tB over new − 1."""
-    s = serve_bench.Shape(10, 100, 8)
+    s = measures.Shape(10, 100, 8)
     t = {"A": 4.0, "H": 3.0, "B": 2.0} if half else {"A": 4.0, "B": 2.0}
-    m = {k: v for k, (v, _) in serve_bench.shape_measures(s, t, half).items()}
+    m = {k: v for k, (v, _) in measures.shape_measures(s, t, half).items()}
     dt, tail = (1.0, 4) if half else (2.0, 7)
     assert m == pytest.approx({"end-to-end output throughput": 80 / 4, "prefill throughput": 1000 / 2,
                                "decode-phase output throughput": 10 * tail / dt, "decode step time": 1e3 * dt / tail})
-    assert set(serve_bench.shape_measures(s, {"A": 4.0}, half)) == {"end-to-end output throughput"}
+    assert set(measures.shape_measures(s, {"A": 4.0}, half)) == {"end-to-end output throughput"}
 
 
 def test_comparison_ratio_rows(tmp_path):
     """A ratio row comes as soon as both sides are in, whichever comes first; none for n/a values."""
-    rows = serve_bench.Rows(tmp_path)
-    s = serve_bench.Shape(2, 8, 4)
-    comp = serve_bench.Comparison(rows, "llama", [s])
+    rows = Rows(tmp_path)
+    s = measures.Shape(2, 8, 4)
+    comp = compare.Comparison(rows, "llama", [s])
     comp.add("laplace", {"name": f"end-to-end output throughput, {s}", "value": 30.0, "unit": "tok/s"})
     comp.add("laplace", {"name": f"decode-phase output throughput, {s}", "value": "n/a (tA <= tH)", "unit": ""})
     comp.add("llama", {"name": f"decode-phase output throughput, {s}", "value": 9.0, "unit": "tok/s"})
@@ -188,7 +189,7 @@ def test_serve_bench_peer_smoke(tmp_path):
     laplace/llama of those rows, the peer folder a tiny Llama."""
     out, peer = tmp_path / "out", tmp_path / "peer"
     shapes = [(2, 24, 8), (3, 40, 6)]
-    cmd = [sys.executable, str(BENCHMARKS / "serve_bench.py"), "--smoke", "--peer", "llama", "--out", str(out),
+    cmd = [sys.executable, str(BENCHMARKS / "serve_bench"), "--smoke", "--peer", "llama", "--out", str(out),
            "--shapes", ",".join("x".join(map(str, s)) for s in shapes), "--peer-dir", str(peer), "--repeats", "3"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=cpu_vllm_env(), cwd=ROOT)
     assert p.returncode == 0, f"serve_bench failed (rc={p.returncode}):\n{p.stdout[-6000:]}\n{p.stderr[-4000:]}"
@@ -217,7 +218,7 @@ def test_serve_bench_peer_smoke(tmp_path):
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"], cfg["vocab_size"]) \
         == (128, 2, 256, 50304)
     assert cfg["num_attention_heads"] * cfg["head_dim"] == 128 and not cfg["tie_word_embeddings"]
-    assert rows["llama: parameters"] == serve_bench.param_count(serve_bench.llama_shapes(cfg))
+    assert rows["llama: parameters"] == folders.param_count(folders.llama_shapes(cfg))
     assert "laplace: state bytes per sequence (vLLM pool)" in rows      # the Laplace child ran the plugin
     assert not (out / "laplace" / "smoke_model").exists()
     # every row written as it came, and the side-by-side table
@@ -230,31 +231,31 @@ def test_serve_bench_peer_smoke(tmp_path):
 def test_engine_kwargs_keep_vllm_stat_logging_default(tmp_path):
     """serve_bench leaves per-request stat logging at vllm.LLM's default (off): forcing it on cost
     3.5 % of the 1,280 x 2,048 x 256 run on an H200 (BENCHMARKS.md, run S9). --llm-kwargs still wins."""
-    a = serve_bench.parse_args(["--out", str(tmp_path)])
-    kw = serve_bench.engine_kwargs(a, tmp_path, True, 4, 64, cuda=True)
+    a = cli.parse_args(["--out", str(tmp_path)])
+    kw = engine.engine_kwargs(a, tmp_path, True, 4, 64, cuda=True)
     assert "disable_log_stats" not in kw
     assert kw["max_num_batched_tokens"] == 16384 and not kw["enforce_eager"]
     assert kw["compilation_config"] == {"max_cudagraph_capture_size": 4}
-    a = serve_bench.parse_args(["--out", str(tmp_path), "--llm-kwargs", '{"disable_log_stats": false}'])
-    assert serve_bench.engine_kwargs(a, tmp_path, True, 4, 64, cuda=True)["disable_log_stats"] is False
+    a = cli.parse_args(["--out", str(tmp_path), "--llm-kwargs", '{"disable_log_stats": false}'])
+    assert engine.engine_kwargs(a, tmp_path, True, 4, 64, cuda=True)["disable_log_stats"] is False
 
 
 def test_config_reaches_both_children_and_sizes_both_models(tmp_path):
     """--config picks the model size of both sides (the host-floor run: two tiny models through the
     same vLLM): the children get it, the Laplace config is that file's, the peer is built from it."""
-    a = serve_bench.parse_args(["--out", str(tmp_path), "--peer", "llama", "--config", "laplace_tiny",
+    a = cli.parse_args(["--out", str(tmp_path), "--peer", "llama", "--config", "laplace_tiny",
                                 "--shapes", "8x16x4"])
     for kind in ("laplace", "llama"):
-        argv = serve_bench.child_argv(a, kind)
+        argv = engine.child_argv(a, kind)
         assert argv[argv.index("--config") + 1] == "laplace_tiny"
-        child = serve_bench.parse_args(argv[2:])
-        cfg, _, _ = serve_bench.model_setup(child)
+        child = cli.parse_args(argv[2:])
+        cfg, _, _ = engine.model_setup(child)
         assert (cfg.d_model, cfg.num_layers, cfg.ffn_dim) == (128, 2, 256)
-    hf = serve_bench.llama_config(cfg, "bfloat16", 64, head_dim=128)
+    hf = folders.llama_config(cfg, "bfloat16", 64, head_dim=128)
     assert (hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"]) == (128, 2, 1)
-    a = serve_bench.parse_args(["--out", str(tmp_path), "--shapes", "8x16x4"])
-    assert "--config" not in serve_bench.child_argv(a, "laplace")
-    assert serve_bench.model_setup(a)[0].d_model == 3072
+    a = cli.parse_args(["--out", str(tmp_path), "--shapes", "8x16x4"])
+    assert "--config" not in engine.child_argv(a, "laplace")
+    assert engine.model_setup(a)[0].d_model == 3072
 
 
 @pytest.mark.parametrize("cuda, preset, expect", [(False, None, None), (True, None, "1"), (True, "0", "0")])
@@ -267,5 +268,5 @@ def test_v2_runner_asked_for_on_cuda_only_and_never_over_the_users_choice(monkey
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", preset or "unset")
     if preset is None:
         monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
-    assert serve_bench.prefer_v2_runner(cuda) == expect
+    assert engine.prefer_v2_runner(cuda) == expect
     assert os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == expect
