@@ -181,8 +181,7 @@ def write_outputs(out: Path, summary: dict, md: str, pack: bool) -> list[str]:
 def status_of(servers: list[dict], rows: list[dict]) -> int:
     """0 when every server started and every measured run completed all its requests, else 1."""
     bad_server = any(s["status"] != "ready" for s in servers)
-    bad_run = any(not r.get("warmup") and ("skipped" in r or r.get("error") or r["completed"] != r["requested"])
-                  for r in rows)
+    bad_run = any(tables.failed(r) for r in rows if not r.get("warmup"))
     return int(bad_server or bad_run)
 
 

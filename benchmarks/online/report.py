@@ -32,7 +32,7 @@ def make_row(server: str, model: str, mode: str, run: Run, res: dict, error: Opt
              counters: dict, seconds: float) -> dict:
     """The row of one run from its client result `res` (empty when the client failed: `error`)."""
     row = {"server": server, "model": model, "mode": mode, "workload": run.workload, "shape": run.shape,
-           "rate": rate_value(run.rate), "concurrency": run.concurrency, "warmup": run.warmup,
+           "rate": rate_value(run.rate), "label": run.label, "concurrency": run.concurrency, "warmup": run.warmup,
            "requested": res.get("num_prompts", run.prompts * run.turns), "completed": res.get("completed", 0),
            "failed": res.get("failed"), "error": error, "jit_lines": jit, "wall_s": round(seconds, 1),
            "prefix_cache_hits": counters.get("prefix_cache_hits", 0.0),

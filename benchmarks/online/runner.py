@@ -150,7 +150,7 @@ def drive(plan: ServerPlan, ctx: Context, budget: Budget, deadline: float) -> tu
                 why = "time budget" if srv.alive() else "server gone"
                 log(f"{what}: SKIPPED ({why}; needs ~{est:.0f} s)")
                 rows.append({"server": plan.name, "model": plan.model, "mode": plan.mode, "workload": run.workload,
-                             "shape": run.shape, "rate": rate_value(run.rate), "warmup": run.warmup,
+                             "shape": run.shape, "rate": rate_value(run.rate), "label": run.label, "warmup": run.warmup,
                              "skipped": why})
                 continue
             log(f"{what}: {run.prompts} {'conversations' if run.turns > 1 else 'prompts'}"
@@ -158,6 +158,9 @@ def drive(plan: ServerPlan, ctx: Context, budget: Budget, deadline: float) -> tu
             row = run_one(srv, plan, run, ctx)
             rows.append(row)
             log(f"  -> {row_line(row)}")
+            if not srv.alive() and rec["status"] == "ready":
+                rec["status"] = f"exited during {run.label}: {srv.last_error()}"
+                log(f"{plan.name}: {rec['status']}")
             if row.get("request_throughput") and math.isfinite(run.rate) and not run.concurrency \
                     and row["request_throughput"] < 0.9 * run.rate:
                 capacity[run.shape] = row["request_throughput"]    # saturated: later rates drain at this

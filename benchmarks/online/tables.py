@@ -11,10 +11,17 @@ PEER = "llama"
 
 
 def measured(rows: list[dict], server: str, workload: str, shape: Optional[str] = None) -> list[dict]:
-    """The measured rows (no warm-up, not skipped) of one server and workload (and shape), by rate."""
-    got = [r for r in rows if r["server"] == server and r["workload"] == workload and not r.get("warmup")
-           and "skipped" not in r and (shape is None or r["shape"] == shape)]
+    """The measured rows (no warm-up, not skipped, not failed) of one server and workload (and shape),
+    by rate."""
+    got = [r for r in rows if r["server"] == server and r["workload"] == workload and not failed(r)
+           and (shape is None or r["shape"] == shape)]
     return sorted(got, key=rate_of)
+
+
+def failed(row: dict) -> bool:
+    """A warm-up, skipped or failed row (a client error, or not every request completed): not in the tables."""
+    return bool(row.get("warmup") or "skipped" in row or row.get("error") or not row.get("completed")
+                or row["completed"] != row["requested"])
 
 
 def _ratio(a, b) -> str:
@@ -122,10 +129,11 @@ def markdown(rows: list[dict], servers: list[dict], header: str) -> tuple[str, d
     parts.append("| server | start s | status | JIT lines in its log |\n|---|---|---|---|\n" + "\n".join(
         f"| {s['name']} | {_num(s.get('start_s'), '.1f')} | {s['status'][:80]} | {s.get('jit_lines', 'n/a')} |"
         for s in servers) + "\n")
-    skipped = [r for r in rows if "skipped" in r]
-    if skipped:
-        parts.append("Skipped: " + ", ".join(f"{r['server']} {r['workload']} {r['shape']} rate {rate_text(rate_of(r))} "
-                                             f"({r['skipped']})" for r in skipped) + "\n")
+    left = [r for r in rows if failed(r) and not r.get("warmup") or r.get("warmup") and "skipped" in r]
+    if left:
+        why = lambda r: r.get("skipped") or r.get("error") or f"{r['completed']}/{r['requested']} done"   # noqa: E731
+        parts.append("Not in the tables: " + ", ".join(
+            f"{r['server']} {r['workload']} {r['shape']} rate {rate_text(rate_of(r))} ({why(r)})" for r in left) + "\n")
     return "\n".join(p for p in parts if p), slo
 
 
@@ -145,12 +153,13 @@ def plot(rows: list[dict], path: Path) -> Optional[Path]:
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     panels = [("median_ttft_ms", "TTFT p50 (ms)"), ("p99_ttft_ms", "TTFT p99 (ms)"),
               ("p99_tpot_ms", "TPOT p99 (ms)"), ("p99_itl_ms", "ITL p99 (ms)")]
+    colors = {shape: f"C{i}" for i, shape in enumerate(dict.fromkeys(shape for _, shape in sorted(series)))}
     for ax, (key, title) in zip(axes.flat, panels):
-        for (server, shape), rs in sorted(series.items()):
+        for (server, shape), rs in sorted(series.items()):      # a color per shape, a line style per model
             rs = sorted(rs, key=lambda r: r["request_throughput"])
             ys = [r[key] if isinstance(r.get(key), (int, float)) else math.nan for r in rs]
-            ax.plot([r["request_throughput"] for r in rs], ys, marker="o" if server == PEER else "s",
-                    linestyle="--" if server == PEER else "-", label=f"{server} {shape}")
+            ax.plot([r["request_throughput"] for r in rs], ys, color=colors[shape], marker="o" if server == PEER
+                    else "s", linestyle="--" if server == PEER else "-", label=f"{server} {shape}")
         ax.set_yscale("log")
         ax.set_xlabel("achieved requests/s")
         ax.set_title(title)

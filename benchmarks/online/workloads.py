@@ -86,10 +86,12 @@ class Sizes:
     max_model_len: int = 8192 + 256
 
 
-SMOKE = Sizes(sweep_rates=(8, INF), sweep_shape=(64, 8), shapes=(((32, 8), (INF,)), ((160, 8), (INF,))),
-              single_lens=(32, 160), single_requests=2, single_out=8, prefix=(256, 16, 8), prefix_rates=(4,),
-              multiturn=(2, 3, 48, 16, 8), multiturn_rate=2.0, multiturn_think_s=0.1, rate_seconds=0.75, min_prompts=6,
-              inf_prompts=6, warmup_prompts=2, warmup_out=4, max_num_seqs=8, max_model_len=512)
+# the smoke run's prefixes cover whole blocks of up to 128 (multiturn) and 256 tokens (prefix; 384 =
+# 256 + 128, since the token at the end of prefix_repetition's text prefix may merge with the next)
+SMOKE = Sizes(sweep_rates=(4, INF), sweep_shape=(64, 8), shapes=(((32, 8), (INF,)), ((160, 8), (INF,))),
+              single_lens=(32, 160), single_requests=2, single_out=8, prefix=(384, 16, 8), prefix_rates=(4,),
+              multiturn=(2, 3, 160, 16, 8), multiturn_rate=2.0, multiturn_think_s=0.1, rate_seconds=1.5,
+              min_prompts=6, inf_prompts=6, warmup_prompts=2, warmup_out=4, max_num_seqs=8, max_model_len=512)
 
 
 def rate_text(rate: float) -> str:
