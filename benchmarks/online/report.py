@@ -9,7 +9,7 @@ server's counters' increase over the run, in tokens; warm-up requests included).
 import math
 from typing import Optional
 
-from online.workloads import Run, rate_text
+from online.workloads import Run
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 KEYS = ("request_throughput", "output_throughput", "duration") + tuple(

@@ -47,13 +47,12 @@ def rate_table(rows: list[dict], lap: str, workload: str, shape: str) -> str:
     """One line per rate: achieved req/s, output tok/s, TTFT/TPOT/ITL p50 and p99, JIT lines."""
     a, b = measured(rows, lap, workload, shape), measured(rows, PEER, workload, shape)
     rates = sorted({rate_of(r) for r in a + b})
-    pick = lambda rs, x: next((r for r in rs if rate_of(r) == x), None)   # noqa: E731
     head = ("| rate | req/s | output tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | ITL p50 | ITL p99 "
             "| JIT lines |")
     lines = [f"{workload} {shape} (prompt/output tokens); each cell Laplace / Llama (ratio), times in ms", "",
              head, "|---" * 10 + "|"]
     for x in rates:
-        ra, rb = pick(a, x), pick(b, x)
+        ra, rb = (next((r for r in rs if rate_of(r) == x), None) for rs in (a, b))
         cells = [_pair(ra, rb, "request_throughput", lambda v: _num(v, ".1f"), False),
                  _pair(ra, rb, "output_throughput", lambda v: _num(v, ",.0f"))]
         cells += [_pair(ra, rb, f"{s}_{m}_ms") for m in ("ttft", "tpot", "itl") for s in ("median", "p99")]
@@ -75,26 +74,37 @@ def single_table(rows: list[dict], lap: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _caching_cells(at: dict, key: str, on: Optional[str], off: Optional[str], multiturn: bool) -> list[str]:
+    """The cells of one (shape, rate) of caching_table; `at` holds each server's row (or None)."""
+    def each(k: str) -> str:
+        return " / ".join(_ms(r.get(k)) if r else "n/a" for r in at.values())
+
+    def ratio(a: Optional[str], b: Optional[str]) -> str:
+        va, vb = ((at.get(s) or {}).get(key) if s else None for s in (a, b))
+        return _ratio(va, vb).strip(" ()") or "n/a"
+
+    rates = [hit_rate(r) if r else None for r in at.values()]
+    hits = " / ".join("n/a" if h is None else f"{h:.0%}" for h in rates)
+    return [each("median_ttft_ms"), each("p99_ttft_ms")] + ([each(key)] if multiturn else []) + \
+        [ratio(on, off), ratio(on, PEER), hits]
+
+
 def caching_table(rows: list[dict], workload: str) -> str:
     """Per rate: TTFT p50/p99 of Laplace with caching on, off and the peer; the ratios on/off and
-    on/peer of the p50; prefix-cache hit rates (multiturn: later turns' TTFT p50 too)."""
+    on/peer of the p50 (multiturn: of the later turns' p50); prefix-cache hit rates."""
     servers = list(dict.fromkeys(r["server"] for r in rows if r["workload"] == workload and r["model"] == "laplace"))
     series = {s: measured(rows, s, workload) for s in servers + [PEER]}
     on = next((s for s in servers if s.endswith("cache-on")), None)
     off = next((s for s in servers if s.endswith("cache-off")), None)
-    key = "median_ttft_later_turns_ms" if workload == "multiturn" else "median_ttft_ms"
-    names = " / ".join(servers + [PEER])
-    lines = [f"{workload}: each cell {names}; ms; hits = prefix-cache hit tokens / queried tokens", "",
-             "| shape | rate | TTFT p50 | TTFT p99 | " + ("later turns TTFT p50 | " if workload == "multiturn" else "")
-             + "p50 on/off | p50 on/Llama | hits |", "|---" * (8 if workload == "multiturn" else 7) + "|"]
-    for shape, x in dict.fromkeys((r["shape"], rate_of(r)) for s in series.values() for r in s):
+    mt = workload == "multiturn"
+    key = "median_ttft_later_turns_ms" if mt else "median_ttft_ms"
+    head = "| shape | rate | TTFT p50 | TTFT p99 | " + ("later turns TTFT p50 | " if mt else "") + \
+        "p50 on/off | p50 on/Llama | hits |"
+    lines = [f"{workload}: each cell {' / '.join(servers + [PEER])}; ms; hits = prefix-cache hit tokens / queried "
+             "tokens", "", head, "|---" * (8 if mt else 7) + "|"]
+    for shape, x in dict.fromkeys((r["shape"], rate_of(r)) for rs in series.values() for r in rs):
         at = {s: next((r for r in rs if r["shape"] == shape and rate_of(r) == x), None) for s, rs in series.items()}
-        cell = lambda k: " / ".join(_ms(r.get(k)) if r else "n/a" for r in at.values())   # noqa: E731
-        get = lambda s: (at.get(s) or {}).get(key) if s else None                       # noqa: E731
-        hits = " / ".join(f"{h:.0%}" if (h := hit_rate(r) if r else None) is not None else "n/a" for r in at.values())
-        cells = [cell("median_ttft_ms"), cell("p99_ttft_ms")] + ([cell(key)] if workload == "multiturn" else [])
-        cells += [_ratio(get(on), get(off)).strip(" ()") or "n/a", _ratio(get(on), get(PEER)).strip(" ()") or "n/a", hits]
-        lines.append(f"| {shape} | {rate_text(x)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {shape} | {rate_text(x)} | " + " | ".join(_caching_cells(at, key, on, off, mt)) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -131,9 +141,10 @@ def markdown(rows: list[dict], servers: list[dict], header: str) -> tuple[str, d
         for s in servers) + "\n")
     left = [r for r in rows if failed(r) and not r.get("warmup") or r.get("warmup") and "skipped" in r]
     if left:
-        why = lambda r: r.get("skipped") or r.get("error") or f"{r['completed']}/{r['requested']} done"   # noqa: E731
         parts.append("Not in the tables: " + ", ".join(
-            f"{r['server']} {r['workload']} {r['shape']} rate {rate_text(rate_of(r))} ({why(r)})" for r in left) + "\n")
+            f"{r['server']} {r['workload']} {r['shape']} rate {rate_text(rate_of(r))} "
+            f"({r.get('skipped') or r.get('error') or str(r['completed']) + '/' + str(r['requested']) + ' done'})"
+            for r in left) + "\n")
     return "\n".join(p for p in parts if p), slo
 
 
