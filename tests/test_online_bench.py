@@ -59,7 +59,7 @@ def test_plan():
     pre = next(r for r in measured if r.workload == "prefix")
     assert (pre.prefix_len, pre.in_len, pre.out_len, pre.shape) == (2048, 128, 256, "2048+128/256")
     mt = next(r for r in measured if r.workload == "multiturn")
-    assert mt.max_len() == 1024 + 4 * (128 + 128) + 128 <= s.max_model_len
+    assert mt.max_len() == 1024 + 3 * (128 + 128) + 128 <= s.max_model_len
     assert workloads.parse_shapes("512/128@8,inf;8192/256@2") == (((512, 128), (8.0, INF)), ((8192, 256), (2.0,)))
     with pytest.raises(ValueError):
         workloads.parse_rates("4,0")

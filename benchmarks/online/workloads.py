@@ -74,7 +74,7 @@ class Sizes:
     single_out: int = 64
     prefix: tuple = (2048, 128, 256)          # shared prefix, unique tail, output tokens
     prefix_rates: tuple = (4, 12, 24)
-    multiturn: tuple = (16, 5, 1024, 128, 128)   # conversations, turns, first turn, user turn, reply
+    multiturn: tuple = (12, 4, 1024, 128, 128)   # conversations, turns, first turn, user turn, reply
     multiturn_rate: float = 2.0               # conversations arriving per second
     multiturn_think_s: float = 0.5            # from a reply's end to the next turn's request
     rate_seconds: float = 10.0
@@ -158,13 +158,14 @@ def plan(workloads: list[str], s: Sizes) -> list[Run]:
 
 
 def estimate_s(run: Run, capacity: float = INF) -> float:
-    """A rough duration of `run` on a GPU (for the time-budget check): arrivals at min(rate, the
-    server's measured capacity), then ~20 ms per output token of the last request, plus the client's
-    set-up."""
+    """A duration of `run` on one H200 for the time-budget check (from the runs of
+    ../shared/notes/online-serving.md, 3B, 2,048/256: TPOT 6-16 ms unsaturated; 480 requests at 12 req/s
+    took ~41 s): arrivals at min(rate, the server's measured capacity), rate inf ~40 ms a request, then
+    ~12 ms per output token of the last request, plus ~3 s of client set-up."""
+    drain = 0.012 * run.out_len + 3
     if run.workload == "multiturn":
-        return run.prompts / run.rate + run.turns * (0.02 * run.out_len + 1.0) + 5
-    rate = min(run.rate, capacity)
+        return run.prompts / run.rate + run.turns * (0.012 * run.out_len + 1.0) + 3
     if run.concurrency:
-        return run.prompts * (0.1 + 0.02 * run.out_len) + 3
-    arrivals = run.prompts / rate if math.isfinite(rate) else 0.02 * run.prompts
-    return arrivals + 0.02 * run.out_len + 5
+        return run.prompts * (0.15 + 0.012 * run.out_len) + 3
+    rate = min(run.rate, capacity)
+    return (run.prompts / rate if math.isfinite(rate) else 0.04 * run.prompts) + drain
