@@ -21,6 +21,9 @@ PREFIX_COUNTERS = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries")   # to
 CACHING_FLAGS = {"on": ["--enable-prefix-caching"], "off": ["--no-enable-prefix-caching"], "default": []}
 
 
+_LOG_PREFIX = re.compile(r"^\(\w+ pid=\d+\) (ERROR|WARNING|INFO|DEBUG) \S+ \S+ \[[^\]]+\] ?")
+
+
 class ServerFailed(RuntimeError):
     """The server exited or did not answer in time; the message holds its log's last error lines."""
 
@@ -109,11 +112,14 @@ class Server:
         """Lines of the log so far that report a kernel compiled while serving."""
         return sum(JIT_LINE in line for line in self.log_text().splitlines())
 
-    def last_error(self, n: int = 3) -> str:
-        """The last `n` lines of the log that look like an error (else its last line), joined."""
-        lines = [ln.strip() for ln in self.log_text().splitlines() if ln.strip()]
-        errs = [ln for ln in lines if re.search(r"Error|error:|Exception|Traceback|failed", ln)]
-        return " | ".join((errs or lines)[-n:])[-1500:] or "(empty log)"
+    def last_error(self) -> str:
+        """The log's first exception line ('AttributeError: ...', without vLLM's '(Worker pid=..) ERROR
+        date [file]' prefix), else its last two lines that mention an error, else its last line."""
+        lines = [_LOG_PREFIX.sub("", ln).strip() for ln in self.log_text().splitlines()]
+        lines = [ln for ln in lines if ln]
+        raised = [ln for ln in lines if re.match(r"[\w.]*(Error|Exception)\b.*:", ln)]
+        errs = [ln for ln in lines if re.search(r"Error|error:|Exception|failed", ln)]
+        return " | ".join(raised[:1] or errs[-2:] or lines[-1:] or ["(empty log)"])[:600]
 
     def stop(self, grace_s: float = 30.0) -> None:
         """SIGTERM to the process group, SIGKILL after `grace_s`, then wait till the group is gone."""

@@ -137,7 +137,7 @@ def markdown(rows: list[dict], servers: list[dict], header: str) -> tuple[str, d
     slo_text, slo = slo_lines(rows, lap) if any(r["workload"] == "sweep" for r in rows) else ("", {})
     parts.append(slo_text)
     parts.append("| server | start s | status | JIT lines in its log |\n|---|---|---|---|\n" + "\n".join(
-        f"| {s['name']} | {_num(s.get('start_s'), '.1f')} | {s['status'][:80]} | {s.get('jit_lines', 'n/a')} |"
+        f"| {s['name']} | {_num(s.get('start_s'), '.1f')} | {s['status'][:200]} | {s.get('jit_lines', 'n/a')} |"
         for s in servers) + "\n")
     left = [r for r in rows if failed(r) and not r.get("warmup") or r.get("warmup") and "skipped" in r]
     if left:
