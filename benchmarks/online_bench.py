@@ -17,8 +17,8 @@ workloads (online/workloads.py) through `vllm bench serve` (online/client.py) or
 once per `--laplace-caching` mode (default off, then on; the first Laplace server also runs every other
 workload), on the peer with vLLM's defaults (prefix caching on).
 
-Servers use --max-num-seqs 256 and capture decode CUDA graphs up to 256 sizes' worth of batch (fewer
-capture sizes than the ~2-minute starts with 1,024 of ../shared/notes/online-serving.md; by Little's law
+Servers use --max-num-seqs 256 and capture decode CUDA graphs for batches up to 256 (fewer graphs to
+capture than the ~2-minute starts with 1,024 in ../shared/notes/online-serving.md; by Little's law
 40 req/s of 2,048/256 at ~5 s a request keep ~200 requests in flight, rate inf sends 256 at once);
 --max-model-len 8,448 (8,192 + 256).
 On CUDA both models run on vLLM's Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1; 0.26 picks it for Llama
