@@ -6,14 +6,15 @@
         [--rates 4,8,inf] [--prefix-rates 4,12] [--shapes '512/128@8,32;8192/256@2,4'] [--rate-seconds 10]
         [--min-prompts 40] [--inf-prompts 256] [--max-num-seqs 256] [--num-warmups 0] [--budget-s 570]
         [--laplace-caching off,on] [--laplace-args '--block-size 256'] [--peer-args ...] [--work DIR]
-        [--model-dir DIR --peer-dir DIR]
+        [--model-dir DIR --peer-dir DIR] [--dry-run: print the servers, runs and estimated seconds]
     python benchmarks/online_bench.py --smoke --out DIR [--work DIR]      # CPU, tiny models (the test)
 
 For each server, one after the other on the same device: `python -m vllm.entrypoints.openai.api_server`
 (the plugin found by its entry point) of the random-weight Laplace folder, then of the same-size Llama
 peer (benchmarks/serve_bench.py's folders, built once per machine and reused), each run of the chosen
 workloads (online/workloads.py) through `vllm bench serve` (online/client.py) or the multi-turn driver
-(online/multiturn.py), then the server is stopped.  The prefix and multiturn workloads run on Laplace
+(online/multiturn.py), then the server is stopped.  The client runs in this process, exactly as the
+CLI runs it (each row's "cli" holds the equivalent `vllm bench serve` command line).  The prefix and multiturn workloads run on Laplace
 once per `--laplace-caching` mode (default off, then on; the first Laplace server also runs every other
 workload), on the peer with vLLM's defaults (prefix caching on).
 
