@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_all.sh serve OUT   # 3B through vLLM (after ../shared/tools/vllm-gpu installed it)
 #   bash benchmarks/gpu_all.sh profile OUT # one prefill and 8 decode steps in vLLM under the torch profiler
 #   bash benchmarks/gpu_all.sh pair OUT [serve_bench args]  # 1,280 x 2,048 x 256: Laplace and the Llama peer
+#   bash benchmarks/gpu_all.sh online OUT --workloads sweep  # online serving (online_bench.py; <= 590 s a call)
 # Wheels the GPU image lacks (fla-core, einops) are installed from .whl/ when present. Each part
 # runs under its own time limit so one hang cannot eat the whole call; logs land in OUT.
 set -uo pipefail
@@ -62,7 +63,14 @@ pair)
     timeout 570 python3 benchmarks/serve_bench --out "$out/pair" --peer llama --no-half \
         --shapes 1280x2048x256 --model-dir /dev/shm/lap --peer-dir /dev/shm/peer "${@:3}" > "$out/pair.log" 2>&1
     grep "ROW" "$out/pair.log" | cut -c1-200 ;;
-*) echo "usage: $0 gla|ops|kernels|train|serve|profile|pair OUT" >&2; exit 2 ;;
+online)
+    # issues 32/33: vLLM's OpenAI server driven by `vllm bench serve`, Laplace then the Llama peer (the
+    # pair's folders); arguments after OUT go to online_bench, e.g. --workloads sweep (one call per group)
+    vllm_env
+    timeout 590 python3 benchmarks/online_bench.py --out "$out/online" --pack --model-dir /dev/shm/lap \
+        --peer-dir /dev/shm/peer "${@:3}" > "$out/online.log" 2>&1
+    tail -c 9000 "$out/online.log" ;;
+*) echo "usage: $0 gla|ops|kernels|train|serve|profile|pair|online OUT" >&2; exit 2 ;;
 esac
 rm -f "$out"/*/bench.md
 grep -h "^\[bench\]\|^\[micro\]" "$out"/*.log 2>/dev/null | cut -c1-260
