@@ -16,6 +16,11 @@ no loop over chunks) and the decode step in torch.
 A decode-only batch may be captured whole in a CUDA graph (the LINEAR backend allows uniform
 single-token decode graphs), so the decode path makes no host syncs.
 
+Prefix caching (`--enable-prefix-caching`): the class declares `SupportsMambaPrefixCaching`; vLLM's
+'align' mode (export/prefix_cache.py says why that one) copies a cached block's state into the page
+at `state_indices_tensor` before the step, so a prefill after a cache hit is a prefill with context:
+initial states read from that page (both paths), final states written back to it.
+
 vLLM internals used (checked on 0.32 CPU and by reading 0.26): `MambaBase`, `IsAttentionFree`,
 `HasInnerState`, `get_forward_context()` (`.attn_metadata[prefix]`: `LinearAttentionMetadata`,
 `.no_compile_layers`), `compilation_config.static_forward_context`, `direct_register_custom_op`.
@@ -30,7 +35,7 @@ from torch import nn
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.abstract import MambaBase
-from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
+from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree, SupportsMambaPrefixCaching
 from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
@@ -320,7 +325,7 @@ if support_torch_compile is not None:
         dynamic_arg_dims={"input_ids": 0, "positions": -1, "inputs_embeds": 0})(LaplaceVllmBackbone)
 
 
-class LaplaceForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
+class LaplaceForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsMambaPrefixCaching):
     """vLLM entry class (architecture "LaplaceForCausalLM")."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
@@ -342,6 +347,8 @@ class LaplaceForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
 
     @classmethod
     def get_mamba_state_copy_func(cls):
+        # vLLM 0.26 calls this; 0.32 calls get_mamba_state_copy_funcs(types), which the
+        # SupportsMambaPrefixCaching protocol maps onto it.
         # both states are whole per-block values: copy the block that holds the latest state
         from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
         return (get_temporal_copy_spec, get_temporal_copy_spec)
