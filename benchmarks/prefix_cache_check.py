@@ -20,9 +20,8 @@ Used by tests/test_prefix_cache.py (CPU) and handy on a GPU machine.
 import argparse
 import json
 import os
-import sys
 
-from vllm_check import exit_skipping_teardown, stop_engine   # benchmarks/ (this script's folder)
+from vllm_check import _first_mixer, exit_skipping_teardown, json_arg, stop_engine   # benchmarks/
 
 COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")
 
@@ -34,6 +33,11 @@ def resolve(request, prompts: list, outputs: list) -> list:
         i = request["turn_of"]
         return prompts[i] + outputs[i] + list(request["add"])
     return list(request)
+
+
+def _state_backend(worker) -> str:
+    """Runs in the vLLM worker: the name of the attention backend of the mixers' state metadata."""
+    return _first_mixer(worker).get_attn_backend().get_name()
 
 
 def run(model: str, requests: list, *, caching: bool, block_size=None, max_tokens: int = 8,
@@ -63,6 +67,7 @@ def run(model: str, requests: list, *, caching: bool, block_size=None, max_token
            "cache": {k: getattr(cfg.cache_config, k) for k in
                      ("enable_prefix_caching", "block_size", "mamba_block_size", "mamba_cache_mode")},
            "async_scheduling": bool(cfg.scheduler_config.async_scheduling),
+           "state_backend": llm.collective_rpc(_state_backend)[0],
            "sampling_defaults": cfg.model_config.get_diff_sampling_param()}
     if chat is not None:
         (o,) = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
@@ -83,14 +88,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--chat", default=None, help="JSON list of chat messages for LLM.chat")
     a = ap.parse_args(argv)
-    text = a.requests
-    if text.startswith("@"):
-        with open(text[1:]) as f:
-            text = f.read()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    res = run(a.model, json.loads(text), caching=a.caching == "on", block_size=a.block_size,
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")   # _state_backend, sent to the worker
+    res = run(a.model, json_arg(a.requests), caching=a.caching == "on", block_size=a.block_size,
               max_tokens=a.max_tokens, dtype=a.dtype, max_model_len=a.max_model_len,
-              chat=json.loads(a.chat) if a.chat else None)
+              chat=json_arg(a.chat) if a.chat else None)
     print("PREFIX_CACHE_RESULT " + json.dumps(res))
     return 0
 

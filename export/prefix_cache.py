@@ -21,6 +21,16 @@ offers two modes for it (`--mamba-cache-mode`):
   our prefill kernels would have to write per-block states (a kernel change) and 0.32 has no such
   mode, so 'align' it is, on both versions.
 
+The metadata builder is the LINEAR backend's subclass for Bailing linear attention (in vLLM's
+linear_attn.py in 0.26 and 0.32; the mixer returns it from `get_attn_backend` when the mode is
+'align'): the same fields, and for a decode-only batch under a full CUDA graph it copies the state
+indices into a persistent buffer (padded rows PAD_SLOT_ID).  The plain LINEAR builder hands over
+`block_table[:, 0]`, a view of vLLM's persistent block table, which a captured graph may keep
+reading; in 'align' mode it hands over a fresh `torch.gather` result instead, whose address a
+replayed graph does not follow.  Bailing's builder is vLLM's own path for linear attention with
+'align' prefix caching (its hybrid model), so that one is used, and only then: without caching the
+mixer keeps the LINEAR backend.
+
 vLLM 0.26 picks 'all' for a model that declares `SupportsMambaPrefixCaching`, so the hook below sets
 'align' first (and refuses an explicit 'all'); vLLM's own `MambaModelConfig` then does the rest
 (`mamba_block_size = block_size`, the chunked-prefill check).
@@ -69,3 +79,12 @@ class LaplaceMambaConfig(MambaModelConfig):
         cache.mamba_cache_mode = choose_mamba_cache_mode(bool(cache.enable_prefix_caching),
                                                          cache.mamba_cache_mode, v2_runner)
         super().verify_and_update_config(vllm_config)
+
+
+def state_backend(mamba_cache_mode: str):
+    """The attention backend class for the mixer's state metadata in this mode, or None for the
+    default of its `mamba_type` (LINEAR)."""
+    if mamba_cache_mode != "align":
+        return None
+    from vllm.v1.attention.backends.linear_attn import BailingLinearAttentionBackend
+    return BailingLinearAttentionBackend

@@ -17,13 +17,15 @@ A decode-only batch may be captured whole in a CUDA graph (the LINEAR backend al
 single-token decode graphs), so the decode path makes no host syncs.
 
 Prefix caching (`--enable-prefix-caching`): the class declares `SupportsMambaPrefixCaching`; vLLM's
-'align' mode (export/prefix_cache.py says why that one) copies a cached block's state into the page
-at `state_indices_tensor` before the step, so a prefill after a cache hit is a prefill with context:
+'align' mode (export/prefix_cache.py says why that one, and why the metadata then comes from
+Bailing linear attention's builder) copies a cached block's state into the page at
+`state_indices_tensor` before the step, so a prefill after a cache hit is a prefill with context:
 initial states read from that page (both paths), final states written back to it.
 
 vLLM internals used (checked on 0.32 CPU and by reading 0.26): `MambaBase`, `IsAttentionFree`,
-`HasInnerState`, `get_forward_context()` (`.attn_metadata[prefix]`: `LinearAttentionMetadata`,
-`.no_compile_layers`), `compilation_config.static_forward_context`, `direct_register_custom_op`.
+`HasInnerState`, `SupportsMambaPrefixCaching`, `BailingLinearAttentionBackend` (export/prefix_cache.py),
+`get_forward_context()` (`.attn_metadata[prefix]`: `LinearAttentionMetadata`, `.no_compile_layers`),
+`compilation_config.static_forward_context`, `direct_register_custom_op`.
 Do NOT add `from __future__ import annotations` here (breaks vLLM's dynamic-shape detection).
 """
 from collections.abc import Iterable
@@ -42,7 +44,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from export.torch_model import LaplaceMixerWeights, _Norm, check_state_dict, layer_norm
 from laplace_jax.spec import Arch
 
-from export import conv_triton, gla_prefill_triton, gla_triton, mix_triton
+from export import conv_triton, gla_prefill_triton, gla_triton, mix_triton, prefix_cache
 
 try:  # vLLM >= 0.11
     from vllm.compilation.decorators import support_torch_compile
@@ -72,7 +74,9 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
         self.prefix = prefix
         self.chunk = max(1, cfg.chunk_size)   # prefill chunk (any size is exact)
         self.kv_cache = (torch.tensor([]), torch.tensor([]))
-        ctx = get_current_vllm_config().compilation_config.static_forward_context
+        vllm_config = get_current_vllm_config()
+        self._backend = prefix_cache.state_backend(vllm_config.cache_config.mamba_cache_mode)
+        ctx = vllm_config.compilation_config.static_forward_context
         if prefix in ctx:
             raise ValueError(f"duplicate layer name: {prefix}")
         ctx[prefix] = self
@@ -84,6 +88,10 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
 
     def get_state_shape(self):
         return state_shapes(self.cfg)
+
+    def get_attn_backend(self):
+        # with prefix caching, a metadata builder whose state indices a CUDA graph can follow
+        return self._backend or super().get_attn_backend()
 
     def get_state_dtype(self):
         return STATE_DTYPES

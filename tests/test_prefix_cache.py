@@ -137,6 +137,8 @@ def test_cache_hits_follow_block_boundaries(runs):
     assert hits == sum(want_cached) > 0
     assert queries == sum(map(len, on["prompts"]))
     assert off["cache"]["enable_prefix_caching"] is False and off["num_cached_tokens"] == [0] * len(want_cached)
+    # export/prefix_cache.py: a builder whose state indices a CUDA graph follows, with caching only
+    assert (on["state_backend"], off["state_backend"]) == ("BAILING_LINEAR_ATTN", "LINEAR_ATTN")
 
 
 @pytest.mark.slow
