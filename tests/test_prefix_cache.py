@@ -166,10 +166,10 @@ def test_cached_equals_uncached_equals_jax(setup, runs):
 
 
 @pytest.mark.slow
-def test_chat_template_and_no_default_cap(setup, runs):
+def test_chat_template_and_no_default_cap(setup, runs, capfd):
     """LLM.chat renders the conversation with the folder's template (the ids the tokenizer gives the
     rendered text) and generates; generation_config.json sets no default sampling parameter (no
-    max_tokens cap)."""
+    max_tokens cap); the tokenizer alone loads with trust_remote_code=False and no question."""
     from jinja2 import Template
     from transformers import AutoTokenizer
 
@@ -178,6 +178,7 @@ def test_chat_template_and_no_default_cap(setup, runs):
     text = Template(CHAT_TEMPLATE).render(messages=CHAT, add_generation_prompt=True)
     assert text == "Answer in one word.\n\nUser: Sky colour?\n\nAssistant:"
     tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    assert type(tok).__name__ == "GPT2Tokenizer" and "custom code" not in "".join(capfd.readouterr())
     assert on["chat"]["prompt_token_ids"] == tok(text).input_ids
     assert len(on["chat"]["token_ids"]) == MAX_NEW
     assert on["sampling_defaults"] == {}
