@@ -1,4 +1,5 @@
-"""vLLM prefix caching of Laplace's fixed state: the config hook that picks vLLM's 'align' mode.
+"""vLLM prefix caching of Laplace's fixed state: the config hook that picks vLLM's 'align' mode, and
+the state-metadata backend for it.
 
 vLLM caches a recurrent model's state per *block* of `block_size` tokens (the model class opts in
 with `SupportsMambaPrefixCaching` and `get_mamba_state_copy_func`; export/vllm_model.py).  vLLM
@@ -12,7 +13,7 @@ offers two modes for it (`--mamba-cache-mode`):
   `get_temporal_copy_spec`), and the metadata's `state_indices_tensor` names that block.  So the
   model does what it does without caching: read the initial state from the page at
   `state_indices_tensor` when the sequence has context (`seq_lens - query_len > 0`, now also true
-  after a cache hit), write the final state to the same page.  Nothing in the mixer changes.
+  after a cache hit), write the final state to the same page.  The mixer's computation is unchanged.
 * 'all' (vLLM 0.26 only; 0.32 dropped it): the kernels themselves write the state at every block
   boundary inside a chunk, reading `block_idx_first_scheduled_token` / `block_idx_last_*` from
   Mamba2-style metadata.  The LINEAR backend's `LinearAttentionMetadata` carries no such fields and
