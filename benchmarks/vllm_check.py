@@ -124,6 +124,14 @@ def stop_engine(llm) -> None:
         core.shutdown()
 
 
+def json_arg(text: str):
+    """A JSON command-line value, or with a leading @ the JSON in that file."""
+    if text.startswith("@"):
+        with open(text[1:]) as f:
+            text = f.read()
+    return json.loads(text)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="benchmarks/vllm_check.py")
     ap.add_argument("--model", required=True)
@@ -141,14 +149,11 @@ def main(argv=None):
     ap.add_argument("--no-tokenizer", action="store_true", help="folder without tokenizer files")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    text = a.prompts
-    if text.startswith("@"):
-        with open(text[1:]) as f:
-            text = f.read()
+    prompts = json_arg(a.prompts)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if a.state_bytes or a.batch_stats:   # functions sent to the worker (collective_rpc)
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    res = run(a.model, json.loads(text), a.max_tokens, a.dtype, a.max_num_seqs, a.max_num_batched_tokens,
+    res = run(a.model, prompts, a.max_tokens, a.dtype, a.max_num_seqs, a.max_num_batched_tokens,
               a.compile, a.staggered, a.state_bytes, a.max_model_len, a.no_tokenizer, a.prompt_logprobs,
               a.batch_stats)
     s = json.dumps(res)

@@ -185,16 +185,18 @@ def write_hf_folder(out: Path, cfg: Arch, tensors: dict, dtype: str, *, step: Op
     if step is not None:
         hf["laplace_step"] = int(step)
     (out / CONFIG_NAME).write_text(json.dumps(hf, indent=2) + "\n")
-    gen = {"bos_token_id": EOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID,
-           "do_sample": False, "max_new_tokens": 48}
+    # no max_new_tokens: vLLM would take it as every request's default max_tokens
+    gen = {"bos_token_id": EOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     if tokenizer:
         save_tokenizer(out, cfg, max_len)
 
 
 def save_tokenizer(out: Path, cfg: Arch, max_len: Optional[int] = None) -> None:
+    from export.chat_template import add_chat_template
     from laplace_jax.data.tokenizer import save_hf_tokenizer
     save_hf_tokenizer(out, model_max_length=model_max_len(cfg, max_len))
+    add_chat_template(out)
 
 
 def export_checkpoint(run_dir, out_dir, step: Optional[int] = None, dtype: str = "float32",

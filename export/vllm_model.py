@@ -16,9 +16,16 @@ no loop over chunks) and the decode step in torch.
 A decode-only batch may be captured whole in a CUDA graph (the LINEAR backend allows uniform
 single-token decode graphs), so the decode path makes no host syncs.
 
+Prefix caching (`--enable-prefix-caching`): the class declares `SupportsMambaPrefixCaching`; vLLM's
+'align' mode (export/prefix_cache.py says why that one, and why the metadata then comes from
+Bailing linear attention's builder) copies a cached block's state into the page at
+`state_indices_tensor` before the step, so a prefill after a cache hit is a prefill with context:
+initial states read from that page (both paths), final states written back to it.
+
 vLLM internals used (checked on 0.32 CPU and by reading 0.26): `MambaBase`, `IsAttentionFree`,
-`HasInnerState`, `get_forward_context()` (`.attn_metadata[prefix]`: `LinearAttentionMetadata`,
-`.no_compile_layers`), `compilation_config.static_forward_context`, `direct_register_custom_op`.
+`HasInnerState`, `SupportsMambaPrefixCaching`, `BailingLinearAttentionBackend` (export/prefix_cache.py),
+`get_forward_context()` (`.attn_metadata[prefix]`: `LinearAttentionMetadata`, `.no_compile_layers`),
+`compilation_config.static_forward_context`, `direct_register_custom_op`.
 Do NOT add `from __future__ import annotations` here (breaks vLLM's dynamic-shape detection).
 """
 from collections.abc import Iterable
@@ -30,10 +37,11 @@ from torch import nn
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.abstract import MambaBase
-from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
+from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree, SupportsMambaPrefixCaching
 from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
+from export import prefix_cache
 from export.ops import conv, gated_mix, gla_decode, gla_prefill, triton_switch
 from export.reference import layer_norm
 from export.torch_model import LaplaceMixer, Norm, check_state_dict
@@ -67,7 +75,9 @@ class LaplaceVllmMixer(LaplaceMixer, MambaBase):
         self.prefix = prefix
         self.chunk = max(1, cfg.chunk_size)   # prefill chunk (any size is exact)
         self.kv_cache = (torch.tensor([]), torch.tensor([]))
-        ctx = get_current_vllm_config().compilation_config.static_forward_context
+        vllm_config = get_current_vllm_config()
+        self._backend = prefix_cache.state_backend(vllm_config.cache_config.mamba_cache_mode)
+        ctx = vllm_config.compilation_config.static_forward_context
         if prefix in ctx:
             raise ValueError(f"duplicate layer name: {prefix}")
         ctx[prefix] = self
@@ -79,6 +89,10 @@ class LaplaceVllmMixer(LaplaceMixer, MambaBase):
 
     def get_state_shape(self):
         return state_shapes(self.cfg)
+
+    def get_attn_backend(self):
+        # with prefix caching, a metadata builder whose state indices a CUDA graph can follow
+        return self._backend or super().get_attn_backend()
 
     def get_state_dtype(self):
         return STATE_DTYPES
@@ -320,7 +334,7 @@ if support_torch_compile is not None:
         dynamic_arg_dims={"input_ids": 0, "positions": -1, "inputs_embeds": 0})(LaplaceVllmBackbone)
 
 
-class LaplaceForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
+class LaplaceForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsMambaPrefixCaching):
     """vLLM entry class (architecture "LaplaceForCausalLM")."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
@@ -342,6 +356,8 @@ class LaplaceForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
 
     @classmethod
     def get_mamba_state_copy_func(cls):
+        # vLLM 0.26 calls this; 0.32 calls get_mamba_state_copy_funcs(types), which the
+        # SupportsMambaPrefixCaching protocol maps onto it.
         # both states are whole per-block values: copy the block that holds the latest state
         from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
         return (get_temporal_copy_spec, get_temporal_copy_spec)

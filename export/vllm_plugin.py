@@ -28,9 +28,12 @@ def register() -> None:
     if ARCH not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCH, "export.vllm_model:LaplaceForCausalLM")
 
-    # mamba_block_size etc. are set by vLLM's own hook for attention-free state models
-    from vllm.model_executor.models.config import MODELS_CONFIG_MAP, MambaModelConfig
-    MODELS_CONFIG_MAP.setdefault(ARCH, MambaModelConfig)
+    # vLLM's own hook for attention-free state models (mamba_block_size etc.), with prefix caching
+    # held to the 'align' mode (export/prefix_cache.py)
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    from export.prefix_cache import LaplaceMambaConfig
+    MODELS_CONFIG_MAP.setdefault(ARCH, LaplaceMambaConfig)
 
     # Piecewise CUDA graphs must split at the stateful mixer (its control flow depends on the batch),
     # as they do at vLLM's own attention / mamba ops.

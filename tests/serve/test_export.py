@@ -76,6 +76,16 @@ def test_every_export_file_has_a_plain_files_mode(tmp_path, umask):
         assert all(m & 0o044 == 0o044 for m in modes.values())
 
 
+def test_serving_defaults(exported):
+    """generation_config.json sets no default that vLLM would apply to every request (it takes
+    max_new_tokens as each request's max_tokens); the tokenizer carries the chat template."""
+    from export.chat_template import CHAT_TEMPLATE
+    _, _, out = exported
+    g = json.loads((out / "generation_config.json").read_text())
+    assert set(g) == {"bos_token_id", "eos_token_id", "do_sample"}
+    assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == CHAT_TEMPLATE
+
+
 def test_torch_full_forward_equals_recurrent_decode(exported):
     _, _, out = exported
     m = LaplaceForCausalLM.from_pretrained(out)

@@ -165,3 +165,23 @@ def test_http_32_concurrent_clients(server, ref):
     assert concurrent[:8] == sequential
     for p, got in zip(prompts, concurrent):
         assert got == ref(p), f"prompt of {len(p)}: {match(got, ref(p))}/{MAX_NEW}"
+
+
+def test_http_chat_completion(server, ref):
+    """/v1/chat/completions renders the conversation with the export's chat template
+    (export/chat_template.py) and continues it: the reply is the torch reference's greedy
+    continuation of the rendered text's tokens."""
+    from jinja2 import Template
+
+    from export.chat_template import CHAT_TEMPLATE
+    from laplace_jax.data.tokenizer import get_tokenizer
+
+    msgs = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a colour."}]
+    r = _post(server + "/v1/chat/completions", {"model": "laplace", "messages": msgs, "max_tokens": MAX_NEW,
+                                                "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+    text = Template(CHAT_TEMPLATE).render(messages=msgs, add_generation_prompt=True)
+    assert text.endswith("User: Name a colour.\n\nAssistant:")
+    ids = get_tokenizer().encode(text)
+    assert r["usage"]["prompt_tokens"] == len(ids)
+    assert r["choices"][0]["token_ids"] == ref(ids)
+    assert isinstance(r["choices"][0]["message"]["content"], str)

@@ -1,0 +1,91 @@
+"""vLLM prefix caching of Laplace's fixed state: the config hook that picks vLLM's 'align' mode, and
+the state-metadata backend for it.
+
+vLLM caches a recurrent model's state per *block* of `block_size` tokens (the model class opts in
+with `SupportsMambaPrefixCaching` and `get_mamba_state_copy_func`; export/vllm_model.py).  vLLM
+offers two modes for it (`--mamba-cache-mode`):
+
+* 'align' (vLLM 0.26 and 0.32): the scheduler ends every prefill chunk but a prompt's last on a
+  block boundary, and also stops a prefill at the prompt's last block boundary, so the state a step
+  writes is always the state after a whole number of blocks (or the running state of the prompt's
+  tail).  Before each step vLLM copies the state of the block where the last step ended into the
+  block this step writes (the copy functions: both states are whole per-block values, so
+  `get_temporal_copy_spec`), and the metadata's `state_indices_tensor` names that block.  So the
+  model does what it does without caching: read the initial state from the page at
+  `state_indices_tensor` when the sequence has context (`seq_lens - query_len > 0`, now also true
+  after a cache hit), write the final state to the same page.  The mixer's computation is unchanged.
+* 'all' (vLLM 0.26 only; 0.32 dropped it): the kernels themselves write the state at every block
+  boundary inside a chunk, reading `block_idx_first_scheduled_token` / `block_idx_last_*` from
+  Mamba2-style metadata.  The LINEAR backend's `LinearAttentionMetadata` carries no such fields and
+  its builder hands over `block_table[:, 0]` as `state_indices_tensor` in that mode, which would
+  read and write the wrong page.  Declaring the MAMBA2 backend instead would give the fields, but
+  our prefill kernels would have to write per-block states (a kernel change) and 0.32 has no such
+  mode, so 'align' it is, on both versions.
+
+The metadata builder is the LINEAR backend's subclass for Bailing linear attention (in vLLM's
+linear_attn.py in 0.26 and 0.32; the mixer returns it from `get_attn_backend` when the mode is
+'align'): the same fields, and for a decode-only batch under a full CUDA graph it copies the state
+indices into a persistent buffer (padded rows PAD_SLOT_ID).  The plain LINEAR builder hands over
+`block_table[:, 0]`, a view of vLLM's persistent block table, which a captured graph may keep
+reading; in 'align' mode it hands over a fresh `torch.gather` result instead, whose address a
+replayed graph does not follow.  Bailing's builder is vLLM's own path for linear attention with
+'align' prefix caching (its hybrid model), so that one is used, and only then: without caching the
+mixer keeps the LINEAR backend.
+
+vLLM 0.26 picks 'all' for a model that declares `SupportsMambaPrefixCaching`, so the hook below sets
+'align' first (and refuses an explicit 'all'); vLLM's own `MambaModelConfig` then does the rest
+(`mamba_block_size = block_size`, the chunked-prefill check).
+
+Not on by default: vLLM decides `enable_prefix_caching` (off for attention-free models) before any
+model hook runs, so a hook cannot tell an explicit `--no-enable-prefix-caching` from the default;
+and 'align' mode holds two state pages per running sequence instead of one.  `vllm serve EXPORT
+--enable-prefix-caching` turns it on.
+
+vLLM 0.26's V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`) copies states between blocks only for
+hybrid models (`MambaHybridModelState`); an attention-free model gets `DefaultModelState`, whose
+`preprocess_state` does nothing, so a cache hit would start from a stale page.  The hook refuses
+that combination (the V1 runner, vLLM's default for attention-free models, does the copies).
+"""
+from vllm.model_executor.models.config import MambaModelConfig
+
+
+class PrefixCacheError(ValueError):
+    """A prefix-caching setting this model cannot serve; the message names the flag to change."""
+
+
+def choose_mamba_cache_mode(enable_prefix_caching: bool, mode: str, v2_runner: bool) -> str:
+    """The mamba cache mode to use ('none' or 'align'), or PrefixCacheError for a setting that would
+    serve wrong states."""
+    if not enable_prefix_caching:
+        return mode                      # vLLM's hook sets 'none' and says so
+    if mode == "all":
+        raise PrefixCacheError(
+            "--mamba-cache-mode all: Laplace's LINEAR state backend keeps states only at chunk ends; "
+            "use --mamba-cache-mode align (the default with --enable-prefix-caching)")
+    if v2_runner:
+        raise PrefixCacheError(
+            "--enable-prefix-caching with VLLM_USE_V2_MODEL_RUNNER=1: vLLM's V2 runner does not copy "
+            "an attention-free model's state between blocks; unset VLLM_USE_V2_MODEL_RUNNER (or set it "
+            "to 0) or drop --enable-prefix-caching")
+    return "align"
+
+
+class LaplaceMambaConfig(MambaModelConfig):
+    """vLLM's per-architecture config hook (`MODELS_CONFIG_MAP["LaplaceForCausalLM"]`)."""
+
+    @classmethod
+    def verify_and_update_config(cls, vllm_config) -> None:
+        cache = vllm_config.cache_config
+        v2_runner = bool(getattr(vllm_config, "use_v2_model_runner", False))
+        cache.mamba_cache_mode = choose_mamba_cache_mode(bool(cache.enable_prefix_caching),
+                                                         cache.mamba_cache_mode, v2_runner)
+        super().verify_and_update_config(vllm_config)
+
+
+def state_backend(mamba_cache_mode: str):
+    """The attention backend class for the mixer's state metadata in this mode, or None for the
+    default of its `mamba_type` (LINEAR)."""
+    if mamba_cache_mode != "align":
+        return None
+    from vllm.v1.attention.backends.linear_attn import BailingLinearAttentionBackend
+    return BailingLinearAttentionBackend
