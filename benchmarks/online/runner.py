@@ -98,10 +98,21 @@ def _watchdog(server: Server, budget: Budget) -> threading.Event:
     return done
 
 
+def server_env(plan: ServerPlan, ctx: Context) -> dict:
+    """The model's environment; a Laplace server with an explicit caching mode runs on Model Runner V1:
+    the plugin refuses V2 with prefix caching on (0.26's V2 runner copies no state between blocks of
+    an attention-free model), and its caching-off twin runs on V1 too, so the pair differs by caching
+    alone."""
+    env = dict(ctx.envs[plan.model])
+    if plan.model == "laplace" and plan.mode in ("on", "off") and "VLLM_USE_V2_MODEL_RUNNER" in env:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    return env
+
+
 def start_server(plan: ServerPlan, ctx: Context, budget: Budget) -> tuple[Server, dict]:
     """Starts the plan's server and waits for it; (server, record), record["status"] "ready" or why not."""
     cmd = server_cmd(plan.folder, free_port(), ctx.dtype, ctx.max_len, ctx.max_seqs, ctx.cuda, plan.extra)
-    srv = Server(cmd, ctx.envs[plan.model], ctx.out / "logs" / f"{plan.name}.server.log")
+    srv = Server(cmd, server_env(plan, ctx), ctx.out / "logs" / f"{plan.name}.server.log")
     rec = {"name": plan.name, "model": plan.model, "mode": plan.mode, "cmd": cmd, "log": str(srv.log_path),
            "runs": len(plan.runs)}
     log(f"{plan.name}: starting the server ({len(plan.runs)} runs): {' '.join(cmd[1:])}")

@@ -11,7 +11,7 @@ import tarfile
 import pytest
 
 from conftest import BENCHMARKS, ROOT, cpu_vllm_env, import_interpreted, need  # noqa: E402
-from online import report, server, tables, workloads  # noqa: E402  (benchmarks/online/)
+from online import report, runner, server, tables, workloads  # noqa: E402  (benchmarks/online/)
 
 INF = math.inf
 
@@ -76,6 +76,24 @@ def test_plan():
     assert workloads.parse_shapes("512/128@8,inf;8192/256@2") == (((512, 128), (8.0, INF)), ((8192, 256), (2.0,)))
     with pytest.raises(ValueError):
         workloads.parse_rates("4,0")
+
+
+def test_laplace_caching_servers_run_on_model_runner_v1(tmp_path):
+    """The plugin refuses prefix caching on vLLM's V2 runner: a Laplace server with caching on (and its
+    caching-off twin, for a like-for-like pair) gets VLLM_USE_V2_MODEL_RUNNER=0; the default-mode
+    Laplace server and the peer keep the environment they were given."""
+    envs = {m: {"VLLM_USE_V2_MODEL_RUNNER": "1", "X": "y"} for m in ("laplace", "llama")}
+    ctx = runner.Context(out=tmp_path, tokenizer=tmp_path, dtype="bfloat16", max_len=4096, max_seqs=8,
+                         cuda=True, envs=envs, think_s=0.0)
+    plan = lambda model, mode: runner.ServerPlan(model, mode, tmp_path, [], [])   # noqa: E731
+    v2 = {(m, mode): runner.server_env(plan(m, mode), ctx)["VLLM_USE_V2_MODEL_RUNNER"]
+          for m, mode in (("laplace", "on"), ("laplace", "off"), ("laplace", "default"), ("llama", "default"))}
+    assert v2 == {("laplace", "on"): "0", ("laplace", "off"): "0", ("laplace", "default"): "1",
+                  ("llama", "default"): "1"}
+    assert envs["laplace"]["VLLM_USE_V2_MODEL_RUNNER"] == "1"          # the shared dict is not changed
+    cpu = runner.Context(out=tmp_path, tokenizer=tmp_path, dtype="float32", max_len=4096, max_seqs=8,
+                         cuda=False, envs={"laplace": {"X": "y"}}, think_s=0.0)
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in runner.server_env(plan("laplace", "on"), cpu)
 
 
 def test_bad_workload_exits_2():
