@@ -31,13 +31,15 @@ product: exact products, float32 sums.  `prefill_errors` measures each against f
 `python -m export.gla_prefill_triton cuda` runs both (TRITON_INTERPRET=1 ... cpu runs the check on
 CPU tensors).
 """
+import contextlib
 import os
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
 # available / enabled: one switch for all Triton paths
 from export.gla_triton import _rowmajor, available, check_gamma, enabled, triton, tl  # noqa: F401
+from export.ops.launch_keys import Launch, run
 
 # H200, K=96 (padded to 128), V=192: BV=64 gives R*H*3 programs (384 for 8 requests, ~3 per SM of
 # 132) with a [128, 64] float32 state (64 registers a thread at 4 warps) next to the [64, 64] score
@@ -68,7 +70,9 @@ if triton is not None:
             c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         return c
 
-    @triton.jit
+    # the per-request index arrays are read once per program: their pointers' 16-byte alignment
+    # (a slice of the step's arrays starts anywhere) must not make a compile variant
+    @triton.jit(do_not_specialize_on_alignment=["slots_ptr", "keep_ptr", "cu_ptr"])
     def _gla_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pool_ptr, slots_ptr, keep_ptr, cu_ptr, gamma_ptr,
                             sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
                             sp_slot, sp_h, sp_k, sp_v,
@@ -147,7 +151,7 @@ def gla_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Ten
                         chunk: int = CHUNK, precision: Optional[str] = None,
                         block_v: int = BLOCK_V, num_warps: int = NUM_WARPS,
                         num_stages: Optional[int] = None,
-                        out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                        out_dtype: torch.dtype = torch.float32, path: Optional[str] = None) -> torch.Tensor:
     """Chunked GLA over the packed prefill tokens of R requests, continuing from and writing back
     their states in the pool.
 
@@ -156,7 +160,9 @@ def gla_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Ten
     v [T, H, V] (float32 or bf16, one dtype; views with last-dim stride 1 are used as they are);
     gamma [H] (ln λ, <= 0); cu_seqlens [R + 1] integer, nondecreasing, cu_seqlens[R] <= T.
     chunk: tokens per step, a power of 2 >= 16 (tensor-core tile); precision: see the module doc;
-    block_v, num_warps, num_stages (None: by dtype): launch settings.  Returns o [T, H, V] in
+    block_v, num_warps, num_stages (None: by dtype): launch settings.  path: "serial" (this module's
+    kernel), "chunked" (export/ops/gla_prefill_chunked.py, chunks in parallel) or None: by
+    `gla_prefill_chunked.prefill_path` from R, T and the shapes (or `forced_path`).  Returns o [T, H, V] in
     out_dtype (float32, or q's dtype as JAX's chunk_simple_gla returns it: one rounding of the
     float32 result; rows outside every request are left uninitialised)."""
     if triton is None:
@@ -178,21 +184,44 @@ def gla_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Ten
     o = torch.empty((T, H, V), device=q.device, dtype=out_dtype)
     if R == 0 or T == 0:
         return o
+    from export.ops import gla_prefill_chunked as chunked   # it imports this module's _mm, _modes
+    path = path or _forced_path or chunked.prefill_path(R, T, H, K, V, chunk, chunked.sm_count(q.device), block_v)
+    if path not in ("serial", "chunked"):
+        raise ValueError(f"path={path!r}: want 'serial', 'chunked' or None")
     q, k, v = _rowmajor(q), _rowmajor(k), _rowmajor(v)
+    gamma = gamma.to(device=q.device, dtype=torch.float32).contiguous()
+    cu_seqlens = cu_seqlens.contiguous()
+    if path == "chunked":
+        return chunked.gla_prefill_chunked(pool, slots, keep, q, k, v, gamma, cu_seqlens, o, chunk, precision,
+                                           block_v, num_warps, num_stages)
     BK = max(16, triton.next_power_of_2(K))
     BV = max(16, min(block_v, triton.next_power_of_2(V)))
     grid = (R, H, triton.cdiv(V, BV))
-    _gla_prefill_kernel[grid](
-        q, k, v, o, pool, slots.contiguous(), keep.to(torch.int8).contiguous(),
-        cu_seqlens.contiguous(), gamma.to(device=q.device, dtype=torch.float32).contiguous(),
+    run(Launch(_gla_prefill_kernel, grid, (
+        q, k, v, o, pool, slots.contiguous(), keep.to(torch.int8).contiguous(), cu_seqlens, gamma,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1),
         pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3),
-        float(K) ** -0.5,
-        K=K, V=V, BK=BK, BV=BV, BT=chunk, QK_MODE=qk_mode, MODE=mode,
-        EMULATE=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps,
-        num_stages=num_stages or {torch.float32: 1, torch.bfloat16: 3}.get(q.dtype, 2))
+        float(K) ** -0.5),
+        dict(K=K, V=V, BK=BK, BV=BV, BT=chunk, QK_MODE=qk_mode, MODE=mode,
+             EMULATE=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps,
+             num_stages=num_stages or {torch.float32: 1, torch.bfloat16: 3}.get(q.dtype, 2))))
     return o
+
+
+_forced_path: Optional[str] = None
+
+
+@contextlib.contextmanager
+def forced_path(path: str) -> Iterator[None]:
+    """Inside the block `gla_prefill_inplace` (path None) takes `path` ("serial" or "chunked"):
+    the warm-up compiles both kernels through the mixer's own launch code."""
+    global _forced_path
+    saved, _forced_path = _forced_path, path
+    try:
+        yield
+    finally:
+        _forced_path = saved
 
 
 # ----------------------------------------------------------------------------- reference and check
@@ -275,15 +304,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def prefill_errors(device: str = "cuda", lengths=(1, 63, 64, 65, 200, 2048, 17, 128, 1000, 3),
                    H: int = 16, K: int = 96, V: int = 192, dtype: torch.dtype = torch.bfloat16,
                    precision: Optional[str] = None, chunk: int = CHUNK, num_slots: int = 24,
-                   seed: Optional[int] = None, out_dtype: torch.dtype = torch.float32) -> dict:
+                   seed: Optional[int] = None, out_dtype: torch.dtype = torch.float32,
+                   path: Optional[str] = None) -> dict:
     """Run `gla_prefill_inplace` once on random data and measure it against `gla_reference`.
 
     Requests of `lengths` (packed, with a few unused rows at the end); every third one starts from
     zero (keep False) and its page is filled with NaN, which must not leak; slots are distinct,
     random, never 0, and the pool slots no request owns must stay bit-for-bit unchanged, as must
     the bytes of each page outside the pool view.  q, k, v are strided views of one projection.
-    Returns {"o", "state"}: the largest per-request relative error, {"changed"}: elements changed
-    outside the requests' states, and the seed."""
+    path: the kernel (`gla_prefill_inplace`'s; None: its rule).  Returns {"o", "state"}: the largest
+    per-request relative error, {"changed"}: elements changed outside the requests' states, and the seed."""
     from export.torch_model import split_heads
 
     seed = _fresh_seed() if seed is None else seed
@@ -302,7 +332,7 @@ def prefill_errors(device: str = "cuda", lengths=(1, 63, 64, 65, 200, 2048, 17, 
     state0 = torch.where(keep.view(-1, 1, 1, 1), pool[slots], 0.0)
     want_o, want_s = gla_reference(q, k, v, gamma, state0, cu)
 
-    o = gla_prefill_inplace(pool, slots, keep, q, k, v, gamma, cu, chunk, precision, out_dtype=out_dtype)
+    o = gla_prefill_inplace(pool, slots, keep, q, k, v, gamma, cu, chunk, precision, out_dtype=out_dtype, path=path)
     assert o.dtype == out_dtype
     starts = cu.tolist()
     err_o = max(_rel(o[a:b], want_o[a:b]) for a, b in zip(starts[:-1], starts[1:]))

@@ -21,6 +21,8 @@ from typing import Optional
 
 import torch
 
+from export.ops.launch_keys import Launch, run
+
 try:
     import triton
     import triton.language as tl
@@ -48,7 +50,9 @@ def available(t: torch.Tensor) -> bool:
 
 
 if triton is not None:
-    @triton.jit
+    # the per-request index arrays are read once per program: their pointers' 16-byte alignment
+    # (a slice of the step's arrays starts anywhere) must not make a compile variant
+    @triton.jit(do_not_specialize_on_alignment=["slots_ptr", "keep_ptr"])
     def _gla_decode_kernel(pool_ptr, slots_ptr, keep_ptr, q_ptr, k_ptr, v_ptr, gamma_ptr, o_ptr,
                            sp_slot, sp_h, sp_k, sp_v,
                            sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, so_b, so_h,
@@ -127,14 +131,14 @@ def gla_decode_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tens
     if BK & (BK - 1):
         raise ValueError(f"block_k={block_k}: want a power of 2")
     grid = (B, H, triton.cdiv(V, BV))
-    _gla_decode_kernel[grid](
+    run(Launch(_gla_decode_kernel, grid, (
         pool, slots, keep, q, k, v, gamma, o,
         pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1),
-        float(K) ** -0.5,
-        K=K, V=V, BK=BK, BV=BV, EVICT=_evict_default() if evict is None else bool(evict),
-        num_warps=num_warps)
+        float(K) ** -0.5),
+        dict(K=K, V=V, BK=BK, BV=BV, EVICT=_evict_default() if evict is None else bool(evict),
+             num_warps=num_warps)))
     return o
 
 

@@ -29,6 +29,7 @@ import torch
 
 from export.gla_prefill_triton import _fresh_seed, _time_ms
 from export.gla_triton import _rowmajor, available, enabled, triton, tl  # noqa: F401  (one switch for all)
+from export.ops.launch_keys import Launch, run
 
 # 8 tokens × 256 (padded V) float32 per tile: 16 values a thread and tensor at 4 warps; N=16384,
 # H=16 gives 32768 programs, N=1280 2560 (~20 per SM of 132).  bench_mix_kernel tries others.
@@ -36,7 +37,8 @@ BLOCK_T = 8
 NUM_WARPS = 4
 
 if triton is not None:
-    @triton.jit
+    # N (tokens) changes every step: Triton would compile N = 1 and N % 16 == 0 apart
+    @triton.jit(do_not_specialize=["N"])
     def _mix_post_kernel(q_ptr, k_ptr, v_ptr, g_ptr, o_ptr, a_ptr, w_ptr, y_ptr, N,
                          sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, so_t, so_h,
                          sa_h, sw_t, sy_t, eps,
@@ -101,13 +103,13 @@ def mixer_post_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     q, k, v, g, o = (_rowmajor(x) for x in (q, k, v, g, o))
     a, w = _rowmajor(aug_balance), _rowmajor(head_norm)
     grid = (triton.cdiv(N, block_t), H)
-    _mix_post_kernel[grid](
+    run(Launch(_mix_post_kernel, grid, (
         q, k, v, g, o, a, w, y, N,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), o.stride(0), o.stride(1),
-        a.stride(0), w.stride(0), y.stride(0), float(eps),
-        K=K, V=V, HPT=H // T, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V), BT=block_t,
-        num_warps=num_warps)
+        a.stride(0), w.stride(0), y.stride(0), float(eps)),
+        dict(K=K, V=V, HPT=H // T, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V), BT=block_t,
+             num_warps=num_warps)))
     return y
 
 

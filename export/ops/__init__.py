@@ -1,0 +1,1 @@
+"""Triton kernels of the vLLM plugin, one module per kernel family (kernel + launcher)."""

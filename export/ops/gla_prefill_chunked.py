@@ -1,0 +1,240 @@
+"""Chunk-parallel Triton prefill for Simple GLA: one long prompt fills the GPU.
+
+The serial prefill kernel (export/gla_prefill_triton.py) runs one program per (request, head,
+value block) and walks the request's chunks in order: one 2,048-token request at the 3B shape is
+16 × 3 = 48 programs on 132 SMs, each doing 32 chunk steps in series.  Here the same math is split
+in three launches (R requests packed back to back by cu_seqlens as there; chunk c of request r holds
+rows t0 = cu[r] + j·BT ... with n ≤ BT real tokens; exponents ≤ 0):
+
+ 1. `_chunk_local_kernel`, grid (chunk, head, value block), all chunks at once: the chunk's own
+    contribution to the state  U_c = (k ⊙ [j < n] e^{γ(n-1-j)})^T v  [K, BV], to a float32 buffer.
+ 2. `_chunk_pass_kernel`, grid (request, head, value block): the state at each chunk's start,
+        S_0 = keep ? pool[slot] : 0,   S_{c+1} = e^{γ n_c} S_c + U_c,
+    written over U_c in the buffer (read once, written once), and the final state to the pool page.
+    Per chunk this is one [K, BV] load, one store and an axpy: cheap next to the chunk products.
+ 3. `_chunk_out_kernel`, grid (chunk, head, value block):
+        o = ((q k^T) ⊙ [i >= j] e^{γ(i-j)}) v + e^{γ(i+1)} (q S_c)          (times K^-0.5)
+
+Every product and sum is the serial kernel's, in the same order and precision (`_mm`, the modes of
+`gla_prefill_triton._modes`): U_c is the float32 product the serial kernel adds to its state, so
+the two paths agree to the last bit where the products do (the CPU interpreter), and
+`gla_prefill_triton.tolerance` bounds both against float64.
+
+Chunks are numbered request after request (request r's first chunk is Σ_{i<r} ceil(len_i / BT));
+the host sizes the grid by the bound T // BT + R (no device sync; the lengths stay on the device),
+and each program finds its request by a scan over the R lengths (the chunked path is chosen for
+few requests).  Programs past the last chunk store nothing.  Extra traffic against the serial
+kernel: the buffer, 4 · H·K·V float32 a chunk (U written, read, S written, read): 4.7 MB a chunk at
+the 3B shape, 0.15 GB for 32 chunks; `prefill_path` keeps the serial kernel where its grid fills
+the GPU (throughput batches, where those bytes would cost ~ as much as the whole serial kernel).
+
+Compile variants: one per kernel for a model and dtype (constexprs: shapes, chunk, modes; R is
+`do_not_specialize`: R = 1 would be its own binary; index arrays not alignment-specialized).
+"""
+import functools
+import os
+from typing import Optional
+
+import torch
+
+from export.gla_prefill_triton import _mm, _modes, _rowmajor, triton, tl  # noqa: F401  (one Triton switch)
+from export.ops.launch_keys import Launch, run
+
+# The serial kernel's tile (its BLOCK_V / CHUNK / NUM_WARPS measurements apply to the same tiles here)
+BLOCK_V = 64
+NUM_WARPS = 4
+# Chunk-state buffer cap: above it the serial kernel runs (a 16,384-token prompt at the 3B shape is
+# 0.3 GB); vLLM's memory profile runs no prefill, so this transient is outside its accounting.
+BUFFER_BUDGET = 512 << 20
+# SMs of the GPU the rule assumes where the device has none to ask (the CPU interpreter): an H200's
+H200_SMS = 132
+
+
+if triton is not None:
+    @triton.jit
+    def _find_chunk(c, cu_ptr, R, BT: tl.constexpr):
+        """(request, its first chunk's number) for chunk c: the last request whose chunks start at
+        or before c (requests without tokens own no chunk; past the last chunk: the last request)."""
+        r = 0
+        first = 0
+        acc = 0
+        for i in range(0, R):
+            n_i = tl.load(cu_ptr + i + 1) - tl.load(cu_ptr + i)
+            take = c >= acc
+            r = tl.where(take, i, r)
+            first = tl.where(take, acc, first)
+            acc += (n_i + BT - 1) // BT
+        return r, first
+
+    _IDX = ["cu_ptr", "slots_ptr", "keep_ptr"]    # read once per program: alignment is no variant
+
+    @triton.jit(do_not_specialize=["R"], do_not_specialize_on_alignment=_IDX)
+    def _chunk_local_kernel(k_ptr, v_ptr, buf_ptr, cu_ptr, gamma_ptr, R,
+                            sk_t, sk_h, sv_t, sv_h, sb_c, sb_h, sb_k,
+                            K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                            BT: tl.constexpr, MODE: tl.constexpr, EMULATE: tl.constexpr):
+        c = tl.program_id(0)
+        h = tl.program_id(1).to(tl.int64)
+        vb = tl.program_id(2)
+        r, first = _find_chunk(c, cu_ptr, R, BT)
+        bos = tl.load(cu_ptr + r).to(tl.int64)
+        eos = tl.load(cu_ptr + r + 1).to(tl.int64)
+        t0 = bos + (c - first).to(tl.int64) * BT
+        g = tl.load(gamma_ptr + h).to(tl.float32)
+        rk = tl.arange(0, BK)
+        rv = vb * BV + tl.arange(0, BV)
+        rt = tl.arange(0, BT)
+        mk = rk < K
+        mv = rv < V
+        rows = t0 + rt
+        mt = rows < eos
+        k = tl.load(k_ptr + rows[:, None] * sk_t + h * sk_h + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        v = tl.load(v_ptr + rows[:, None] * sv_t + h * sv_h + rv[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+        n = tl.minimum(eos - t0, BT).to(tl.float32)
+        pos = rt.to(tl.float32)
+        # a select: a padding row's e^{γ(n-1-j)} would be a positive exponent
+        kdec = tl.where(pos < n, tl.exp(g * tl.maximum(n - 1.0 - pos, 0.0)), 0.0)
+        u = _mm(tl.trans(k.to(tl.float32) * kdec[:, None]), v, MODE, EMULATE)
+        ptrs = buf_ptr + c.to(tl.int64) * sb_c + h * sb_h + rk[:, None] * sb_k + rv[None, :]
+        tl.store(ptrs, u, mask=mk[:, None] & mv[None, :] & (t0 < eos))
+
+    @triton.jit(do_not_specialize=["R"], do_not_specialize_on_alignment=_IDX)
+    def _chunk_pass_kernel(buf_ptr, pool_ptr, slots_ptr, keep_ptr, cu_ptr, gamma_ptr, R,
+                           sb_c, sb_h, sb_k, sp_slot, sp_h, sp_k, sp_v,
+                           K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                           BT: tl.constexpr):
+        r = tl.program_id(0)
+        h = tl.program_id(1).to(tl.int64)
+        vb = tl.program_id(2)
+        bos = tl.load(cu_ptr + r).to(tl.int64)
+        eos = tl.load(cu_ptr + r + 1).to(tl.int64)
+        first = 0
+        for i in range(0, r):
+            first += (tl.load(cu_ptr + i + 1) - tl.load(cu_ptr + i) + BT - 1) // BT
+        slot = tl.load(slots_ptr + r).to(tl.int64)
+        keep = tl.load(keep_ptr + r)
+        g = tl.load(gamma_ptr + h).to(tl.float32)
+        rk = tl.arange(0, BK)
+        rv = vb * BV + tl.arange(0, BV)
+        m = (rk < K)[:, None] & (rv < V)[None, :]
+        s_ptrs = pool_ptr + slot * sp_slot + h * sp_h + rk[:, None] * sp_k + rv[None, :] * sp_v
+        s = tl.load(s_ptrs, mask=m, other=0.0)
+        s = tl.where(keep != 0, s, 0.0)        # a select: a reused page may hold NaN
+        b_ptrs = buf_ptr + h * sb_h + rk[:, None] * sb_k + rv[None, :]
+        c = first.to(tl.int64)
+        for t0 in range(bos, eos, BT):
+            n = tl.minimum(eos - t0, BT).to(tl.float32)
+            u = tl.load(b_ptrs + c * sb_c, mask=m, other=0.0)
+            tl.store(b_ptrs + c * sb_c, s, mask=m)              # the state entering chunk c
+            s = tl.exp(g * n) * s + u
+            c += 1
+        tl.store(s_ptrs, s, mask=m)
+
+    @triton.jit(do_not_specialize=["R"], do_not_specialize_on_alignment=_IDX)
+    def _chunk_out_kernel(q_ptr, k_ptr, v_ptr, o_ptr, buf_ptr, cu_ptr, gamma_ptr, R,
+                          sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sb_c, sb_h, sb_k,
+                          scale,
+                          K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                          BT: tl.constexpr, QK_MODE: tl.constexpr, MODE: tl.constexpr,
+                          EMULATE: tl.constexpr):
+        c = tl.program_id(0)
+        h = tl.program_id(1).to(tl.int64)
+        vb = tl.program_id(2)
+        r, first = _find_chunk(c, cu_ptr, R, BT)
+        bos = tl.load(cu_ptr + r).to(tl.int64)
+        eos = tl.load(cu_ptr + r + 1).to(tl.int64)
+        t0 = bos + (c - first).to(tl.int64) * BT
+        g = tl.load(gamma_ptr + h).to(tl.float32)
+        rk = tl.arange(0, BK)
+        rv = vb * BV + tl.arange(0, BV)
+        rt = tl.arange(0, BT)
+        mk = rk < K
+        mv = rv < V
+        rows = t0 + rt
+        mt = rows < eos
+        diff = (rt[:, None] - rt[None, :]).to(tl.float32)
+        dmask = tl.where(diff >= 0, tl.exp(g * tl.maximum(diff, 0.0)), 0.0)
+        qdec = tl.exp(g * (rt + 1).to(tl.float32))
+        s = tl.load(buf_ptr + c.to(tl.int64) * sb_c + h * sb_h + rk[:, None] * sb_k + rv[None, :],
+                    mask=mk[:, None] & mv[None, :] & (t0 < eos), other=0.0)
+        q = tl.load(q_ptr + rows[:, None] * sq_t + h * sq_h + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        k = tl.load(k_ptr + rows[:, None] * sk_t + h * sk_h + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        v = tl.load(v_ptr + rows[:, None] * sv_t + h * sv_h + rv[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+        att = _mm(q, tl.trans(k), QK_MODE, EMULATE) * dmask
+        o = _mm(att, v, MODE, EMULATE) + _mm(q, s, MODE, EMULATE) * qdec[:, None]
+        tl.store(o_ptr + rows[:, None] * so_t + h * so_h + rv[None, :],
+                 (o * scale).to(o_ptr.dtype.element_ty), mask=mt[:, None] & mv[None, :])
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multiprocessor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """SMs of `device` (an H200's 132 off CUDA, where the rule is exercised by tests)."""
+    if device.type != "cuda":
+        return H200_SMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def chunk_buffer_rows(R: int, T: int, chunk: int) -> int:
+    """Chunks of R requests holding T tokens in all, at most: Σ ceil(len_r / chunk) ≤ T // chunk + R."""
+    return T // chunk + R
+
+
+def prefill_path(R: int, T: int, H: int, K: int, V: int, chunk: int, n_sm: int,
+                 block_v: int = BLOCK_V) -> str:
+    """"chunked" or "serial" for R requests of T tokens in all, from host integers only.
+
+    The serial kernel runs R·H·ceil(V / BV) programs, each walking its request's chunks in series;
+    with fewer programs than SMs some SMs idle through the whole walk, and the chunked path (grid
+    ~ chunks·H·ceil(V / BV)) is worth its buffer traffic, if there are chunks to spread (T ≥ 2
+    chunks) and the buffer fits `BUFFER_BUDGET`.  Otherwise the serial kernel: it fills the GPU and
+    moves fewer bytes."""
+    serial_programs = R * H * -(-V // min(block_v, V))
+    buffer = chunk_buffer_rows(R, T, chunk) * H * K * V * 4
+    if serial_programs < n_sm and T >= 2 * chunk and buffer <= BUFFER_BUDGET:
+        return "chunked"
+    return "serial"
+
+
+def gla_prefill_chunked(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor, q: torch.Tensor,
+                        k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor, cu_seqlens: torch.Tensor,
+                        o: torch.Tensor, chunk: int, precision: Optional[str] = None,
+                        block_v: int = BLOCK_V, num_warps: int = NUM_WARPS,
+                        num_stages: Optional[int] = None) -> torch.Tensor:
+    """`gla_prefill_triton.gla_prefill_inplace`'s math by the three chunk-parallel launches, into o.
+
+    Arguments as there (already checked by it): pool [num_slots, H, K, V] float32 (updated at the
+    R slots), slots [R], keep [R] bool, q, k [T, H, K], v [T, H, V] (last-dim stride 1), gamma [H]
+    float32 contiguous, cu_seqlens [R + 1] contiguous, o [T, H, V] (float32 or q's dtype).
+    Returns o (rows outside every request untouched)."""
+    T, H, K = q.shape
+    V = v.shape[-1]
+    R = slots.shape[0]
+    qk_mode, mode = _modes(q.dtype, precision)
+    BK = max(16, triton.next_power_of_2(K))
+    BV = max(16, min(block_v, triton.next_power_of_2(V)))
+    n_vb = triton.cdiv(V, BV)
+    n_chunks = chunk_buffer_rows(R, T, chunk)
+    buf = torch.empty((n_chunks, H, K, V), device=q.device, dtype=torch.float32)
+    emulate = os.environ.get("TRITON_INTERPRET") == "1"
+    stages = num_stages or {torch.float32: 1, torch.bfloat16: 3}.get(q.dtype, 2)
+    keep8 = keep.to(torch.int8).contiguous()
+    slots = slots.contiguous()
+    strides_b = (buf.stride(0), buf.stride(1), buf.stride(2))
+    run(Launch(_chunk_local_kernel, (n_chunks, H, n_vb),
+               (k, v, buf, cu_seqlens, gamma, R, k.stride(0), k.stride(1), v.stride(0), v.stride(1), *strides_b),
+               dict(K=K, V=V, BK=BK, BV=BV, BT=chunk, MODE=mode, EMULATE=emulate,
+                    num_warps=num_warps, num_stages=stages)))
+    run(Launch(_chunk_pass_kernel, (R, H, n_vb),
+               (buf, pool, slots, keep8, cu_seqlens, gamma, R, *strides_b,
+                pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3)),
+               dict(K=K, V=V, BK=BK, BV=BV, BT=chunk, num_warps=num_warps, num_stages=2)))
+    run(Launch(_chunk_out_kernel, (n_chunks, H, n_vb),
+               (q, k, v, o, buf, cu_seqlens, gamma, R, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                v.stride(0), v.stride(1), o.stride(0), o.stride(1), *strides_b, float(K) ** -0.5),
+               dict(K=K, V=V, BK=BK, BV=BV, BT=chunk, QK_MODE=qk_mode, MODE=mode, EMULATE=emulate,
+                    num_warps=num_warps, num_stages=stages)))
+    return o
