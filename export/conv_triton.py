@@ -144,7 +144,8 @@ def conv_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Te
                          f"segments of >= C - 1 = {C - 1} tokens when n_split > 1")
     grid = (R, triton.cdiv(D, block_d), n_split)
     run(Launch(_conv_prefill_kernel, grid, (
-        x, u, pool, slots.contiguous(), keep.to(torch.int8).contiguous(), cu_seqlens.contiguous(),
+        x, u, pool, slots.to(torch.long).contiguous(), keep.to(torch.int8).contiguous(),
+        cu_seqlens.to(torch.int32).contiguous(),
         weight, bias, x.stride(0), u.stride(0), pool.stride(0), pool.stride(1), pool.stride(2),
         weight.stride(0), weight.stride(-1)),
         dict(D=D, C=C, BC=triton.next_power_of_2(C), BD=block_d, BT=block_t, SEG=seg, SILU=silu,

@@ -190,7 +190,8 @@ def gla_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Ten
         raise ValueError(f"path={path!r}: want 'serial', 'chunked' or None")
     q, k, v = _rowmajor(q), _rowmajor(k), _rowmajor(v)
     gamma = gamma.to(device=q.device, dtype=torch.float32).contiguous()
-    cu_seqlens = cu_seqlens.contiguous()
+    cu_seqlens = cu_seqlens.to(torch.int32).contiguous()   # index dtypes fixed: one compile variant
+    slots = slots.to(torch.long).contiguous()
     if path == "chunked":
         return chunked.gla_prefill_chunked(pool, slots, keep, q, k, v, gamma, cu_seqlens, o, chunk, precision,
                                            block_v, num_warps, num_stages)
@@ -198,7 +199,7 @@ def gla_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Ten
     BV = max(16, min(block_v, triton.next_power_of_2(V)))
     grid = (R, H, triton.cdiv(V, BV))
     run(Launch(_gla_prefill_kernel, grid, (
-        q, k, v, o, pool, slots.contiguous(), keep.to(torch.int8).contiguous(), cu_seqlens, gamma,
+        q, k, v, o, pool, slots, keep.to(torch.int8).contiguous(), cu_seqlens, gamma,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1),
         pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3),

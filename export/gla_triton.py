@@ -123,7 +123,7 @@ def gla_decode_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tens
     if B == 0:
         return o
     q, k, v = _rowmajor(q), _rowmajor(k), _rowmajor(v)
-    slots = slots.contiguous()
+    slots = slots.to(torch.long).contiguous()
     keep = keep.to(torch.int8).contiguous()
     gamma = gamma.to(device=q.device, dtype=torch.float32).contiguous()
     BV = min(block_v, triton.next_power_of_2(V))

@@ -38,6 +38,7 @@ from export.torch_model import LaplaceMixerWeights, _Norm, check_state_dict, lay
 from laplace_jax.spec import Arch
 
 from export import conv_triton, gla_prefill_triton, gla_triton, mix_triton
+from export.ops import warmup
 
 try:  # vLLM >= 0.11
     from vllm.compilation.decorators import support_torch_compile
@@ -71,6 +72,17 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
         if prefix in ctx:
             raise ValueError(f"duplicate layer name: {prefix}")
         ctx[prefix] = self
+
+    # --- the state pools: binding them compiles every Triton kernel variant (export/ops/warmup.py),
+    # so that none compiles while serving
+    @property
+    def kv_cache(self):
+        return self._kv_cache
+
+    @kv_cache.setter
+    def kv_cache(self, value) -> None:
+        self._kv_cache = value
+        warmup.on_bind(self)
 
     # --- MambaBase interface
     @property

@@ -222,7 +222,7 @@ def gla_prefill_chunked(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Ten
     emulate = os.environ.get("TRITON_INTERPRET") == "1"
     stages = num_stages or {torch.float32: 1, torch.bfloat16: 3}.get(q.dtype, 2)
     keep8 = keep.to(torch.int8).contiguous()
-    slots = slots.contiguous()
+    slots = slots.to(torch.long).contiguous()
     strides_b = (buf.stride(0), buf.stride(1), buf.stride(2))
     run(Launch(_chunk_local_kernel, (n_chunks, H, n_vb),
                (k, v, buf, cu_seqlens, gamma, R, k.stride(0), k.stride(1), v.stride(0), v.stride(1), *strides_b),

@@ -11,15 +11,15 @@ logs it.  `triton_key` computes that key with Triton's own binder (`create_funct
 and `native_specialize_impl`, the code `JITFunction.run` calls), from the arguments alone: no GPU,
 no compile.
 
-The launchers build a `Launch` and hand it to `run`; inside `recording()` `run` notes the launch's
-key instead of launching, so a test (and the warm-up) can list the variants a sequence of launcher
-calls produces.
+The launchers build a `Launch` and hand it to `run`; inside `recording()` `run` keeps the launch
+instead of launching, so a test can list the variants (`keys`) a sequence of launcher calls
+produces.
 """
 import contextlib
 import inspect
 from typing import Any, Iterator, NamedTuple, Optional
 
-_recorder: Optional[set] = None
+_recorder: Optional[list] = None
 
 
 class Launch(NamedTuple):
@@ -56,20 +56,25 @@ def triton_key(launch: Launch) -> tuple:
 
 
 def run(launch: Launch) -> None:
-    """Launch, or inside `recording()` only note the key."""
+    """Launch, or inside `recording()` only note the launch."""
     if _recorder is not None:
-        _recorder.add(triton_key(launch))
+        _recorder.append(launch)
         return
     launch.kernel[launch.grid](*launch.args, **launch.kwargs)
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[set]:
-    """Inside the block `run` launches nothing and adds each launch's `triton_key` to the yielded
-    set (the launchers' outputs are then left uninitialised)."""
+def recording() -> Iterator[list]:
+    """Inside the block `run` launches nothing and appends each `Launch` to the yielded list (the
+    launchers' outputs are then left uninitialised); `keys` of it: the variants."""
     global _recorder
-    saved, _recorder = _recorder, set()
+    saved, _recorder = _recorder, []
     try:
         yield _recorder
     finally:
         _recorder = saved
+
+
+def keys(launches) -> set:
+    """The distinct `triton_key`s of `launches`."""
+    return {triton_key(launch) for launch in launches}
