@@ -37,8 +37,9 @@ def interpret(monkeypatch):
 
 # ----------------------------------------------------------------------------- the GLA kernel alone
 
-# K, V not powers of 2 (masked to BK, BV); chunk 16: partial chunks at 1, 15, 17, 40, 3
-SMALL = dict(H=2, K=24, V=40, chunk=16, num_slots=10)
+# K, V not powers of 2 (masked to BK, BV); chunk 16: partial chunks at 1, 15, 17, 40, 3.  The
+# serial kernel (at these shapes `prefill_path` would pick the chunked one: tests/test_gla_prefill_chunked.py)
+SMALL = dict(H=2, K=24, V=40, chunk=16, num_slots=10, path="serial")
 
 
 @pytest.mark.parametrize("lengths", [(1, 15, 16, 17, 40, 3), (33,), (16, 16, 1, 1, 64)])
@@ -54,7 +55,7 @@ def test_gla_prefill_float32_vs_float64(lengths):
 def test_gla_prefill_3b_head_shape():
     """K=96 (padded to 128), V=192 (three 64-wide blocks), chunk 64: lengths around the chunk."""
     e = gpt.prefill_errors("cpu", lengths=(1, 63, 64, 65, 130), H=2, K=96, V=192,
-                           dtype=torch.float32, num_slots=8)
+                           dtype=torch.float32, num_slots=8, path="serial")
     assert e["changed"] == 0, e
     assert max(e["o"], e["state"]) <= gpt.tolerance("ieee", 64, 96), e
 
