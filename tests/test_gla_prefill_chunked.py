@@ -107,5 +107,5 @@ def test_prefill_path_rule():
     assert rule(1, 512) == rule(1, 2048) == rule(1, 8192) == rule(2, 4096) == "chunked"
     assert rule(3, 6144) == rule(8, 16384) == rule(1280, 1280) == "serial"
     assert rule(1, 127) == "serial"
-    over = chunked.BUFFER_BUDGET // (16 * 96 * 192 * 4) * 64
+    over = chunked.BUFFER_BUDGET // (2 * 16 * 96 * 192 * 4) * 64       # two buffers of chunk states
     assert rule(1, over) == "serial" and rule(1, over - 2 * 64) == "chunked"

@@ -8,10 +8,12 @@ rows t0 = cu[r] + j·BT ... with n ≤ BT real tokens; exponents ≤ 0):
 
  1. `_chunk_local_kernel`, grid (chunk, head, value block), all chunks at once: the chunk's own
     contribution to the state  U_c = (k ⊙ [j < n] e^{γ(n-1-j)})^T v  [K, BV], to a float32 buffer.
- 2. `_chunk_pass_kernel`, grid (request, head, value block): the state at each chunk's start,
+ 2. `_chunk_pass_kernel`, grid (request, head, block of state entries): the state at each
+    chunk's start,
         S_0 = keep ? pool[slot] : 0,   S_{c+1} = e^{γ n_c} S_c + U_c,
-    written over U_c in the buffer (read once, written once), and the final state to the pool page.
-    Per chunk this is one [K, BV] load, one store and an axpy: cheap next to the chunk products.
+    into a second buffer (U read once, S written once), and the final state to the pool page.  The
+    decay is one scalar a head, so the pass is elementwise in the state: a load, a store and an
+    FMA per entry and chunk, spread over all of K·V (not only over value blocks).
  3. `_chunk_out_kernel`, grid (chunk, head, value block):
         o = ((q k^T) ⊙ [i >= j] e^{γ(i-j)}) v + e^{γ(i+1)} (q S_c)          (times K^-0.5)
 
@@ -24,8 +26,8 @@ Chunks are numbered request after request (request r's first chunk is Σ_{i<r} c
 the host sizes the grid by the bound T // BT + R (no device sync; the lengths stay on the device),
 and each program finds its request by a scan over the R lengths (the chunked path is chosen for
 few requests).  Programs past the last chunk store nothing.  Extra traffic against the serial
-kernel: the buffer, 4 · H·K·V float32 a chunk (U written, read, S written, read): 4.7 MB a chunk at
-the 3B shape, 0.15 GB for 32 chunks; `prefill_path` keeps the serial kernel where its grid fills
+kernel: the buffers, 4 · H·K·V float32 a chunk (U written, read, S written, read): 4.7 MB a chunk
+at the 3B shape, 0.15 GB for 32 chunks; `prefill_path` keeps the serial kernel where its grid fills
 the GPU (throughput batches, where those bytes would cost ~ as much as the whole serial kernel).
 
 Compile variants: one per kernel for a model and dtype (constexprs: shapes, chunk, modes; R is
@@ -43,8 +45,14 @@ from export.ops.launch_keys import Launch, run
 # The serial kernel's tile (its BLOCK_V / CHUNK / NUM_WARPS measurements apply to the same tiles here)
 BLOCK_V = 64
 NUM_WARPS = 4
-# Chunk-state buffer cap: above it the serial kernel runs (a 16,384-token prompt at the 3B shape is
-# 0.3 GB); vLLM's memory profile runs no prefill, so this transient is outside its accounting.
+# The state pass: BE entries of a head's state per program (K·V = 18,432 at the 3B shape: 18
+# programs a head, 288 for one request), 8 float32 a thread at 4 warps
+PASS_BLOCK = 1024
+PASS_WARPS = 4
+PASS_STAGES = 1
+# Cap of the two chunk-state buffers (U and S): above it the serial kernel runs (an 8,192-token
+# prompt at the 3B shape needs 2 × 129 × 1.18 MB = 0.30 GB); vLLM's memory profile runs no prefill,
+# so this transient is outside its accounting.
 BUFFER_BUDGET = 512 << 20
 # SMs of the GPU the rule assumes where the device has none to ask (the CPU interpreter): an H200's
 H200_SMS = 132
@@ -99,13 +107,15 @@ if triton is not None:
         tl.store(ptrs, u, mask=mk[:, None] & mv[None, :] & (t0 < eos))
 
     @triton.jit(do_not_specialize=["R"], do_not_specialize_on_alignment=_IDX)
-    def _chunk_pass_kernel(buf_ptr, pool_ptr, slots_ptr, keep_ptr, cu_ptr, gamma_ptr, R,
-                           sb_c, sb_h, sb_k, sp_slot, sp_h, sp_k, sp_v,
-                           K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                           BT: tl.constexpr):
+    def _chunk_pass_kernel(u_ptr, s_ptr, pool_ptr, slots_ptr, keep_ptr, cu_ptr, gamma_ptr, R,
+                           sb_c, sb_h, sp_slot, sp_h, sp_k, sp_v,
+                           K: tl.constexpr, V: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr):
+        # elementwise in the state: program (r, h, e) walks BE of head h's K·V entries through
+        # request r's chunks (U and S buffers hold each [K, V] contiguously)
         r = tl.program_id(0)
         h = tl.program_id(1).to(tl.int64)
-        vb = tl.program_id(2)
+        e = tl.program_id(2) * BE + tl.arange(0, BE)
+        m = e < K * V
         bos = tl.load(cu_ptr + r).to(tl.int64)
         eos = tl.load(cu_ptr + r + 1).to(tl.int64)
         first = 0
@@ -114,21 +124,24 @@ if triton is not None:
         slot = tl.load(slots_ptr + r).to(tl.int64)
         keep = tl.load(keep_ptr + r)
         g = tl.load(gamma_ptr + h).to(tl.float32)
-        rk = tl.arange(0, BK)
-        rv = vb * BV + tl.arange(0, BV)
-        m = (rk < K)[:, None] & (rv < V)[None, :]
-        s_ptrs = pool_ptr + slot * sp_slot + h * sp_h + rk[:, None] * sp_k + rv[None, :] * sp_v
-        s = tl.load(s_ptrs, mask=m, other=0.0)
+        s_pool = pool_ptr + slot * sp_slot + h * sp_h + (e // V) * sp_k + (e % V) * sp_v
+        s = tl.load(s_pool, mask=m, other=0.0)
         s = tl.where(keep != 0, s, 0.0)        # a select: a reused page may hold NaN
-        b_ptrs = buf_ptr + h * sb_h + rk[:, None] * sb_k + rv[None, :]
-        c = first.to(tl.int64)
-        for t0 in range(bos, eos, BT):
-            n = tl.minimum(eos - t0, BT).to(tl.float32)
-            u = tl.load(b_ptrs + c * sb_c, mask=m, other=0.0)
-            tl.store(b_ptrs + c * sb_c, s, mask=m)              # the state entering chunk c
-            s = tl.exp(g * n) * s + u
-            c += 1
-        tl.store(s_ptrs, s, mask=m)
+        base = first.to(tl.int64) * sb_c + h * sb_h + e
+        n_chunks = (eos - bos + BT - 1) // BT
+        # U_c and S_c live in two buffers, so no load of U waits on a store of S, and each U is
+        # loaded three chunks ahead (u0, u1, u2 rotate): the walk's chain is one FMA a chunk, not
+        # one memory round trip (Triton pipelines only loads that feed dots)
+        u0 = tl.load(u_ptr + base, mask=m & (n_chunks > 0), other=0.0)
+        u1 = tl.load(u_ptr + base + sb_c, mask=m & (n_chunks > 1), other=0.0)
+        for j in range(0, n_chunks):
+            u2 = tl.load(u_ptr + base + (j + 2) * sb_c, mask=m & (j + 2 < n_chunks), other=0.0)
+            n = tl.minimum(eos - bos - j * BT, BT).to(tl.float32)
+            tl.store(s_ptr + base + j * sb_c, s, mask=m)              # the state entering chunk j
+            s = tl.exp(g * n) * s + u0
+            u0 = u1
+            u1 = u2
+        tl.store(s_pool, s, mask=m)
 
     @triton.jit(do_not_specialize=["R"], do_not_specialize_on_alignment=_IDX)
     def _chunk_out_kernel(q_ptr, k_ptr, v_ptr, o_ptr, buf_ptr, cu_ptr, gamma_ptr, R,
@@ -193,7 +206,7 @@ def prefill_path(R: int, T: int, H: int, K: int, V: int, chunk: int, n_sm: int,
     chunks) and the buffer fits `BUFFER_BUDGET`.  Otherwise the serial kernel: it fills the GPU and
     moves fewer bytes."""
     serial_programs = R * H * -(-V // min(block_v, V))
-    buffer = chunk_buffer_rows(R, T, chunk) * H * K * V * 4
+    buffer = 2 * chunk_buffer_rows(R, T, chunk) * H * K * V * 4
     if serial_programs < n_sm and T >= 2 * chunk and buffer <= BUFFER_BUDGET:
         return "chunked"
     return "serial"
@@ -218,22 +231,23 @@ def gla_prefill_chunked(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Ten
     BV = max(16, min(block_v, triton.next_power_of_2(V)))
     n_vb = triton.cdiv(V, BV)
     n_chunks = chunk_buffer_rows(R, T, chunk)
-    buf = torch.empty((n_chunks, H, K, V), device=q.device, dtype=torch.float32)
+    u_buf = torch.empty((n_chunks, H, K, V), device=q.device, dtype=torch.float32)
+    s_buf = torch.empty_like(u_buf)
     emulate = os.environ.get("TRITON_INTERPRET") == "1"
     stages = num_stages or {torch.float32: 1, torch.bfloat16: 3}.get(q.dtype, 2)
     keep8 = keep.to(torch.int8).contiguous()
     slots = slots.to(torch.long).contiguous()
-    strides_b = (buf.stride(0), buf.stride(1), buf.stride(2))
+    strides_b = (u_buf.stride(0), u_buf.stride(1), u_buf.stride(2))
     run(Launch(_chunk_local_kernel, (n_chunks, H, n_vb),
-               (k, v, buf, cu_seqlens, gamma, R, k.stride(0), k.stride(1), v.stride(0), v.stride(1), *strides_b),
+               (k, v, u_buf, cu_seqlens, gamma, R, k.stride(0), k.stride(1), v.stride(0), v.stride(1), *strides_b),
                dict(K=K, V=V, BK=BK, BV=BV, BT=chunk, MODE=mode, EMULATE=emulate,
                     num_warps=num_warps, num_stages=stages)))
-    run(Launch(_chunk_pass_kernel, (R, H, n_vb),
-               (buf, pool, slots, keep8, cu_seqlens, gamma, R, *strides_b,
+    run(Launch(_chunk_pass_kernel, (R, H, triton.cdiv(K * V, PASS_BLOCK)),
+               (u_buf, s_buf, pool, slots, keep8, cu_seqlens, gamma, R, u_buf.stride(0), u_buf.stride(1),
                 pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3)),
-               dict(K=K, V=V, BK=BK, BV=BV, BT=chunk, num_warps=num_warps, num_stages=2)))
+               dict(K=K, V=V, BE=PASS_BLOCK, BT=chunk, num_warps=PASS_WARPS, num_stages=PASS_STAGES)))
     run(Launch(_chunk_out_kernel, (n_chunks, H, n_vb),
-               (q, k, v, o, buf, cu_seqlens, gamma, R, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+               (q, k, v, o, s_buf, cu_seqlens, gamma, R, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                 v.stride(0), v.stride(1), o.stride(0), o.stride(1), *strides_b, float(K) ** -0.5),
                dict(K=K, V=V, BK=BK, BV=BV, BT=chunk, QK_MODE=qk_mode, MODE=mode, EMULATE=emulate,
                     num_warps=num_warps, num_stages=stages)))
