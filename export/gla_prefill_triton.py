@@ -70,6 +70,33 @@ if triton is not None:
             c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         return c
 
+    @triton.jit
+    def _head_rows(ptr, rows, s_t, h, s_h, cols, mt, mc):
+        """ptr[rows, h, cols] as a [rows, cols] tile (masked rows and columns read as 0)."""
+        return tl.load(ptr + rows[:, None] * s_t + h * s_h + cols[None, :], mask=mt[:, None] & mc[None, :], other=0.0)
+
+    @triton.jit
+    def _chunk_decays(g, rt):
+        """The decays inside a chunk that do not depend on it: [i >= j] e^{γ(i-j)} [BT, BT] and
+        e^{γ(i+1)} [BT] (all exponents <= 0)."""
+        diff = (rt[:, None] - rt[None, :]).to(tl.float32)
+        return tl.where(diff >= 0, tl.exp(g * tl.maximum(diff, 0.0)), 0.0), tl.exp(g * (rt + 1).to(tl.float32))
+
+    @triton.jit
+    def _chunk_state(k, v, g, n, rt, MODE: tl.constexpr, EMULATE: tl.constexpr):
+        """A chunk's contribution to the state after it, (k ⊙ [j < n] e^{γ(n-1-j)})^T v [BK, BV]
+        (n real tokens; a padding row's weight is a select: its exponent would be positive)."""
+        pos = rt.to(tl.float32)
+        kdec = tl.where(pos < n, tl.exp(g * tl.maximum(n - 1.0 - pos, 0.0)), 0.0)
+        return _mm(tl.trans(k.to(tl.float32) * kdec[:, None]), v, MODE, EMULATE)
+
+    @triton.jit
+    def _chunk_output(q, k, v, s, dmask, qdec, QK_MODE: tl.constexpr, MODE: tl.constexpr,
+                      EMULATE: tl.constexpr):
+        """((q k^T) ⊙ dmask) v + qdec ⊙ (q S), S the state entering the chunk [BT, BV]."""
+        att = _mm(q, tl.trans(k), QK_MODE, EMULATE) * dmask
+        return _mm(att, v, MODE, EMULATE) + _mm(q, s, MODE, EMULATE) * qdec[:, None]
+
     # the per-request index arrays are read once per program: their pointers' 16-byte alignment
     # (a slice of the step's arrays starts anywhere) must not make a compile variant
     @triton.jit(do_not_specialize_on_alignment=["slots_ptr", "keep_ptr", "cu_ptr"])
@@ -94,10 +121,7 @@ if triton is not None:
         rt = tl.arange(0, BT)
         mk = rk < K
         mv = rv < V
-        # decays that do not depend on the chunk: [i >= j] e^{γ(i-j)} and e^{γ(i+1)}
-        diff = (rt[:, None] - rt[None, :]).to(tl.float32)
-        dmask = tl.where(diff >= 0, tl.exp(g * tl.maximum(diff, 0.0)), 0.0)
-        qdec = tl.exp(g * (rt + 1).to(tl.float32))
+        dmask, qdec = _chunk_decays(g, rt)
 
         s_ptrs = pool_ptr + slot * sp_slot + h * sp_h + rk[:, None] * sp_k + rv[None, :] * sp_v
         s_mask = mk[:, None] & mv[None, :]
@@ -109,19 +133,13 @@ if triton is not None:
             rows = t0 + rt
             mt = rows < eos
             n = tl.minimum(eos - t0, BT).to(tl.float32)                  # real tokens here
-            q = tl.load(q_ptr + rows[:, None] * sq_t + h * sq_h + rk[None, :],
-                        mask=mt[:, None] & mk[None, :], other=0.0)
-            k = tl.load(k_ptr + rows[:, None] * sk_t + h * sk_h + rk[None, :],
-                        mask=mt[:, None] & mk[None, :], other=0.0)
-            v = tl.load(v_ptr + rows[:, None] * sv_t + h * sv_h + rv[None, :],
-                        mask=mt[:, None] & mv[None, :], other=0.0)
-            att = _mm(q, tl.trans(k), QK_MODE, EMULATE) * dmask                    # [BT, BT]
-            o = _mm(att, v, MODE, EMULATE) + _mm(q, s, MODE, EMULATE) * qdec[:, None]       # uses S entering the chunk
+            q = _head_rows(q_ptr, rows, sq_t, h, sq_h, rk, mt, mk)
+            k = _head_rows(k_ptr, rows, sk_t, h, sk_h, rk, mt, mk)
+            v = _head_rows(v_ptr, rows, sv_t, h, sv_h, rv, mt, mv)
+            o = _chunk_output(q, k, v, s, dmask, qdec, QK_MODE, MODE, EMULATE)     # uses S entering the chunk
             tl.store(o_ptr + rows[:, None] * so_t + h * so_h + rv[None, :],
                      (o * scale).to(o_ptr.dtype.element_ty), mask=mt[:, None] & mv[None, :])
-            pos = rt.to(tl.float32)
-            kdec = tl.where(pos < n, tl.exp(g * tl.maximum(n - 1.0 - pos, 0.0)), 0.0)
-            s = tl.exp(g * n) * s + _mm(tl.trans(k.to(tl.float32) * kdec[:, None]), v, MODE, EMULATE)
+            s = tl.exp(g * n) * s + _chunk_state(k, v, g, n, rt, MODE, EMULATE)
 
         tl.store(s_ptrs, s, mask=s_mask)
 

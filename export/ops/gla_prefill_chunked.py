@@ -17,8 +17,8 @@ rows t0 = cu[r] + j·BT ... with n ≤ BT real tokens; exponents ≤ 0):
  3. `_chunk_out_kernel`, grid (chunk, head, value block):
         o = ((q k^T) ⊙ [i >= j] e^{γ(i-j)}) v + e^{γ(i+1)} (q S_c)          (times K^-0.5)
 
-Every product and sum is the serial kernel's, in the same order and precision (`_mm`, the modes of
-`gla_prefill_triton._modes`): U_c is the float32 product the serial kernel adds to its state, so
+Every product and sum is the serial kernel's, in the same order and precision (its `_chunk_state`
+and `_chunk_output`, the modes of `_modes`): U_c is the float32 product the serial kernel adds to its state, so
 the two paths agree to the last bit where the products do (the CPU interpreter), and
 `gla_prefill_triton.tolerance` bounds both against float64.
 
@@ -39,7 +39,8 @@ from typing import Optional
 
 import torch
 
-from export.gla_prefill_triton import _mm, _modes, _rowmajor, triton, tl  # noqa: F401  (one Triton switch)
+from export.gla_prefill_triton import (_chunk_decays, _chunk_output, _chunk_state, _head_rows, _modes,  # noqa: F401
+                                      triton, tl)   # one Triton switch
 from export.ops.launch_keys import Launch, run
 
 # The serial kernel's tile (its BLOCK_V / CHUNK / NUM_WARPS measurements apply to the same tiles here)
@@ -74,6 +75,14 @@ if triton is not None:
             acc += (n_i + BT - 1) // BT
         return r, first
 
+    @triton.jit
+    def _chunk_span(c, cu_ptr, R, BT: tl.constexpr):
+        """(first row, end of its request) of chunk c: first >= end past the last chunk."""
+        r, first = _find_chunk(c, cu_ptr, R, BT)
+        bos = tl.load(cu_ptr + r).to(tl.int64)
+        eos = tl.load(cu_ptr + r + 1).to(tl.int64)
+        return bos + (c - first).to(tl.int64) * BT, eos
+
     _IDX = ["cu_ptr", "slots_ptr", "keep_ptr"]    # read once per program: alignment is no variant
 
     @triton.jit(do_not_specialize=["R"], do_not_specialize_on_alignment=_IDX)
@@ -84,10 +93,7 @@ if triton is not None:
         c = tl.program_id(0)
         h = tl.program_id(1).to(tl.int64)
         vb = tl.program_id(2)
-        r, first = _find_chunk(c, cu_ptr, R, BT)
-        bos = tl.load(cu_ptr + r).to(tl.int64)
-        eos = tl.load(cu_ptr + r + 1).to(tl.int64)
-        t0 = bos + (c - first).to(tl.int64) * BT
+        t0, eos = _chunk_span(c, cu_ptr, R, BT)
         g = tl.load(gamma_ptr + h).to(tl.float32)
         rk = tl.arange(0, BK)
         rv = vb * BV + tl.arange(0, BV)
@@ -96,13 +102,9 @@ if triton is not None:
         mv = rv < V
         rows = t0 + rt
         mt = rows < eos
-        k = tl.load(k_ptr + rows[:, None] * sk_t + h * sk_h + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
-        v = tl.load(v_ptr + rows[:, None] * sv_t + h * sv_h + rv[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
-        n = tl.minimum(eos - t0, BT).to(tl.float32)
-        pos = rt.to(tl.float32)
-        # a select: a padding row's e^{γ(n-1-j)} would be a positive exponent
-        kdec = tl.where(pos < n, tl.exp(g * tl.maximum(n - 1.0 - pos, 0.0)), 0.0)
-        u = _mm(tl.trans(k.to(tl.float32) * kdec[:, None]), v, MODE, EMULATE)
+        k = _head_rows(k_ptr, rows, sk_t, h, sk_h, rk, mt, mk)
+        v = _head_rows(v_ptr, rows, sv_t, h, sv_h, rv, mt, mv)
+        u = _chunk_state(k, v, g, tl.minimum(eos - t0, BT).to(tl.float32), rt, MODE, EMULATE)
         ptrs = buf_ptr + c.to(tl.int64) * sb_c + h * sb_h + rk[:, None] * sb_k + rv[None, :]
         tl.store(ptrs, u, mask=mk[:, None] & mv[None, :] & (t0 < eos))
 
@@ -153,10 +155,7 @@ if triton is not None:
         c = tl.program_id(0)
         h = tl.program_id(1).to(tl.int64)
         vb = tl.program_id(2)
-        r, first = _find_chunk(c, cu_ptr, R, BT)
-        bos = tl.load(cu_ptr + r).to(tl.int64)
-        eos = tl.load(cu_ptr + r + 1).to(tl.int64)
-        t0 = bos + (c - first).to(tl.int64) * BT
+        t0, eos = _chunk_span(c, cu_ptr, R, BT)
         g = tl.load(gamma_ptr + h).to(tl.float32)
         rk = tl.arange(0, BK)
         rv = vb * BV + tl.arange(0, BV)
@@ -165,16 +164,13 @@ if triton is not None:
         mv = rv < V
         rows = t0 + rt
         mt = rows < eos
-        diff = (rt[:, None] - rt[None, :]).to(tl.float32)
-        dmask = tl.where(diff >= 0, tl.exp(g * tl.maximum(diff, 0.0)), 0.0)
-        qdec = tl.exp(g * (rt + 1).to(tl.float32))
+        dmask, qdec = _chunk_decays(g, rt)
         s = tl.load(buf_ptr + c.to(tl.int64) * sb_c + h * sb_h + rk[:, None] * sb_k + rv[None, :],
                     mask=mk[:, None] & mv[None, :] & (t0 < eos), other=0.0)
-        q = tl.load(q_ptr + rows[:, None] * sq_t + h * sq_h + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
-        k = tl.load(k_ptr + rows[:, None] * sk_t + h * sk_h + rk[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
-        v = tl.load(v_ptr + rows[:, None] * sv_t + h * sv_h + rv[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
-        att = _mm(q, tl.trans(k), QK_MODE, EMULATE) * dmask
-        o = _mm(att, v, MODE, EMULATE) + _mm(q, s, MODE, EMULATE) * qdec[:, None]
+        q = _head_rows(q_ptr, rows, sq_t, h, sq_h, rk, mt, mk)
+        k = _head_rows(k_ptr, rows, sk_t, h, sk_h, rk, mt, mk)
+        v = _head_rows(v_ptr, rows, sv_t, h, sv_h, rv, mt, mv)
+        o = _chunk_output(q, k, v, s, dmask, qdec, QK_MODE, MODE, EMULATE)
         tl.store(o_ptr + rows[:, None] * so_t + h * so_h + rv[None, :],
                  (o * scale).to(o_ptr.dtype.element_ty), mask=mt[:, None] & mv[None, :])
 
