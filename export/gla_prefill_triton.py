@@ -26,6 +26,11 @@ bf16 inputs: those operands rounded to bf16, as JAX's own `ops.gla.chunk_simple_
 "tf32" (10 mantissa bits; the default for float16 inputs).  q k^T of bf16 inputs is always a bf16
 product: exact products, float32 sums.  `prefill_errors` measures each against float64.
 
+Two launch paths, the same math: this module's kernel walks each request's chunks in series (grid
+(request, head, value block): the throughput path); export/ops/gla_prefill_chunked.py spreads the
+chunks over the grid (for few requests, whose serial grid would leave SMs idle).
+`gla_prefill_inplace` picks by `gla_prefill_chunked.prefill_path` from host integers (no sync).
+
 `prefill_errors()` compares against a float64 step recurrence (`within_tolerance` judges it);
 `bench_prefill_kernel()` times it against the torch path (gather + `gla_chunked` + scatter).
 `python -m export.gla_prefill_triton cuda` runs both (TRITON_INTERPRET=1 ... cpu runs the check on

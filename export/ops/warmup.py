@@ -1,10 +1,14 @@
 """Compile every Triton kernel variant the vLLM mixer can launch before vLLM serves a request.
 
-Why here: vLLM's start-up runs do not reach all of them.  Its memory profile runs the model with
-no attention metadata (the mixer does nothing); CUDA-graph capture runs decode batches only; Model
-Runner V2's `warmup_kernels` prefills requests of 2 tokens each, which never takes the chunked
+Why here: vLLM's start-up runs do not reach all of them (read in vLLM 0.26).  Its memory profile
+runs the model with no attention metadata (the mixer does nothing); CUDA-graph capture runs dummy
+batches of vLLM's choosing (decode rows for the full graphs); Model Runner V2's `warmup_kernels`
+prefills requests of 2 tokens each with no decode rows beside them, which never takes the chunked
 prefill path.  A variant first met under traffic compiles then (seconds; vLLM's JIT monitor logs
-`Triton kernel JIT compilation during inference`).
+`Triton kernel JIT compilation during inference`).  The two logged on an H200 (conv and GLA
+prefill) were of that kind: a step with an odd number of decode rows hands the prefill kernels
+slots[nd:], 8 bytes off 16-byte alignment, which Triton compiled as a variant of its own (the index
+arrays are exempt from that specialization now).
 
 What varies: with the launchers' settings fixed per model and dtype, and the per-request index
 arrays and token counts exempt from Triton's specialization (see export/ops/launch_keys.py), a
