@@ -24,12 +24,16 @@ When: `LaplaceVllmMixer.kv_cache`'s setter calls `on_bind` when vLLM binds the l
 (after the memory profile, before graph capture and before the JIT monitor starts, on every model
 runner): the pools are the real ones (their strides and alignment are part of the key).
 """
+import logging
 import time
 from typing import Optional
 
 import torch
 
 from export import gla_prefill_triton, gla_triton
+
+# under vLLM's logger, whose handler prints to the server log
+log = logging.getLogger("vllm.laplace.warmup")
 
 
 def pools_of(kv_cache) -> Optional[tuple]:
@@ -86,4 +90,7 @@ def on_bind(mixer) -> None:
     warm_up(mixer, *pools)
     if pools[1].is_cuda:
         torch.cuda.synchronize(pools[1].device)
-    mixer.warm_up_seconds = time.perf_counter() - start
+    # the first layer compiles (seconds): info; the others find the binaries (milliseconds): debug
+    seconds = time.perf_counter() - start
+    (log.info if seconds > 0.5 else log.debug)(
+        "Laplace %s: Triton kernel variants warmed on the bound state pools in %.2f s", mixer.prefix, seconds)
