@@ -143,3 +143,27 @@ def test_keys_see_what_triton_specializes():
         for n in (1, 16, 17):
             mix_triton.mixer_post_fused(q[:n], k[:n], v[:n], g[:n], o[:n], a, hn, eps, torch.bfloat16)
     assert len(launches) == 3 and len(launch_keys.keys(launches)) == 1
+
+
+def test_warm_up_writes_only_the_null_slot():
+    """Bound for real (the kernels run, in the interpreter), the warm-up changes slot 0 of the pools
+    and nothing else: every other page of the raw buffer (the states of other sequences, the
+    padding between pages) keeps its bytes."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from export.vllm_model import LaplaceVllmMixer
+
+    cfg = Arch(num_layers=1, **ODD)
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with set_current_vllm_config(VllmConfig()):
+            m = LaplaceVllmMixer(cfg, "layers.0.mixer")
+    finally:
+        torch.set_default_dtype(saved)
+    page = 4 * (cfg.conv_kernel * cfg.d_model + m.H * m.K * m.V) + 24
+    raw = torch.randint(-128, 128, (6, 1, 1, page), dtype=torch.int8, generator=torch.Generator().manual_seed(2))
+    before = raw.clone()
+    m.bind_kv_cache(raw)
+    assert not torch.equal(raw[0], before[0])              # the warm-up ran, in slot 0
+    assert torch.equal(raw[1:], before[1:])
