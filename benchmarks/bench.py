@@ -35,7 +35,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Callable  # noqa: E402
+from typing import Any, Callable, NamedTuple  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -373,161 +373,337 @@ def _variant_tag(B: int, overrides: list[str]) -> str:
     return f"B={B}" + "".join(f" {o.split('.', 1)[1]}" for o in overrides)
 
 
-def bench_train(t: Table, cfg, variants: list[tuple[int, list[str]]], iters: int, reps: int, out_dir: Path | None,
-                profile: bool, results: dict[str, Any], n_params_flop: float, peak: float,
-                tokens_per_step: int, n_devices: int = 1) -> Any:
-    """Per variant (B sequences per device, config overrides), time `grad_accum.accumulate` -- the
-    real training step's forward/backward -- over A=1 and A=2 micro-batches: per micro-step =
-    t(2) - t(1), per-step fixed cost (the weight gather and gradient reduce-scatter with
-    train.grad_sync=step) = t(1) - per micro-step. Then the optimizer update. A step of
-    `tokens_per_step` = fixed + accum x per micro-step + update. The shardings and the optimizer are
-    `laplace_jax.train.build_program`'s on a (data=1, fsdp=n_devices) mesh: FSDP and the config's
-    Muon comm, as the trainer runs them (one device: the same code, no collectives)."""
+class TrainRig(NamedTuple):
+    """What every timed train variant shares: the trainer's program on a (data=1, fsdp=n) mesh and the
+    state it builds (params, optimizer state), made once before the variants' loop."""
+    cfg: Any                # resolved as the trainer resolves it
+    mcfg: Any               # the model config (seq_len, vocab_size)
+    mesh: Any
+    prog: Any               # laplace_jax.train.build_program: shardings and the optimizer
+    params: Any
+    opt_state: Any
+    devs: list
+    where: str              # "1 device" / "FSDP over n devices ..." for the rows
+
+
+def train_rig(t: Table, cfg, n_devices: int, n_params_flop: float) -> TrainRig:
+    """The trainer's own shardings and optimizer (`build_program`, Muon over the mesh) and initialised
+    state; a row with the real parameter count."""
     import jax
-    import jax.numpy as jnp
-    import optax
 
     from laplace_jax.config import MeshConfig
-    from laplace_jax.grad_accum import accumulate
     from laplace_jax.model import init_params
-    from laplace_jax.sharding import make_mesh, replicated
+    from laplace_jax.sharding import make_mesh
     from laplace_jax.train import build_program
 
     mcfg = cfg.model
-    S = mcfg.seq_len
     cfg = _variant_cfg(cfg, [])
     t0 = time.perf_counter()
     mesh = make_mesh(MeshConfig(data=1, fsdp=n_devices), jax.devices()[:n_devices])
-    prog = build_program(cfg, mesh)    # the trainer's own shardings and optimizer (Muon over the mesh)
-    p_sh, o_sh, b_sh, tx = prog.param_sh, prog.opt_sh, prog.batch_sh, prog.tx
-    params = jax.jit(init_params, static_argnums=0, out_shardings=p_sh)(mcfg, jax.random.PRNGKey(0))
-    opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
-    rep = replicated(mesh)
-    jit_kw = dict(in_shardings=(p_sh, b_sh), out_shardings=(rep, p_sh))
-    ujit_kw = dict(in_shardings=(p_sh, o_sh, (rep, p_sh)), out_shardings=(p_sh, o_sh))
+    prog = build_program(cfg, mesh)
+    params = jax.jit(init_params, static_argnums=0, out_shardings=prog.param_sh)(mcfg, jax.random.PRNGKey(0))
+    opt_state = jax.jit(prog.tx.init, out_shardings=prog.opt_sh)(params)
     jax.block_until_ready(opt_state)
     n_real = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
     where = (f"FSDP over {n_devices} devices (mesh data=1 x fsdp={n_devices}), {cfg.optim.muon_comm} Muon"
              if n_devices > 1 else "1 device")
     t.add("train", "parameters (from the real tree)", float(n_real), "", f"6N uses N={n_params_flop:.4e}; "
           f"{where}; init {time.perf_counter() - t0:.1f} s")
+    return TrainRig(cfg, mcfg, mesh, prog, params, opt_state, jax.devices()[:n_devices], where)
 
+
+def _memory_estimate_gib(compiled) -> float | None:
+    """XLA's estimate of a compiled program's device memory (temporaries + arguments + outputs - aliases)."""
+    try:
+        ma = compiled.memory_analysis()
+        return (ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes
+                - ma.alias_size_in_bytes) / 2**30
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _accumulate_call(rig: TrainRig, acc_j, A: int, Bg: int, rng) -> tuple[Callable, dict, float, Any]:
+    """accumulate over A random micro-batches of Bg sequences, compiled: (call, its output box,
+    compile seconds, the compiled program)."""
+    import jax
+    import jax.numpy as jnp
+
+    S = rig.mcfg.seq_len
+    toks = rng.integers(0, rig.mcfg.vocab_size, (A, Bg, S + 1), dtype=np.int32)
+    batch = {"inputs": jnp.asarray(toks[..., :-1]), "targets": jnp.asarray(toks[..., 1:])}
+    batch = jax.device_put(batch, rig.prog.batch_sh)
+    tc = time.perf_counter()
+    compiled = acc_j.lower(rig.params, batch).compile()
+    ct = time.perf_counter() - tc
+    box = {}
+
+    def call():
+        box["out"] = compiled(rig.params, batch)
+        return box["out"]
+    return call, box, ct, compiled
+
+
+def time_variant(t: Table, rig: TrainRig, B: int, overrides: list[str], iters: int, reps: int, rng,
+                 profile_to: tuple[Path | None, str] | None) -> tuple[dict[str, float], Any]:
+    """`grad_accum.accumulate` of one variant (B sequences per device, config overrides) over A=1 and
+    A=2 micro-batches: ({per_micro: s = t(2) - t(1), fixed: per-step s = t(1) - per micro-step, A1, A2},
+    the last gradients).  `profile_to` (out_dir, file name): also a trace of A=1."""
+    import jax
+
+    from laplace_jax.grad_accum import accumulate
+    from laplace_jax.sharding import replicated
+
+    vcfg = _variant_cfg(rig.cfg, overrides)
+    n_devices, S = len(rig.devs), rig.mcfg.seq_len
+    tag = _variant_tag(B, overrides) + (f" per device x {n_devices}" if n_devices > 1 else "")
+    sync = f", grad_sync={vcfg.train.grad_sync}" if n_devices > 1 else ""
+    jit_kw = dict(in_shardings=(rig.prog.param_sh, rig.prog.batch_sh),
+                  out_shardings=(replicated(rig.mesh), rig.prog.param_sh))
+    acc_j = jax.jit(lambda p, b, vcfg=vcfg: accumulate(p, b, vcfg, rig.mesh), **jit_kw)
+    timed: dict[int, float] = {}
+    grads = None
+    for A in (1, 2):
+        grads = None
+        gc.collect()
+        call, box, ct, compiled = _accumulate_call(rig, acc_j, A, B * n_devices, rng)
+        med, ts = _median_time(call, jax.block_until_ready, max(1, iters // A), reps, warmup=1)
+        timed[A] = med
+        if A == 1:
+            mem = _memory_estimate_gib(compiled)
+            t.add("train", f"accumulate A=1 {tag} x {S}{sync}", med * 1e3, "ms",
+                  f"compile {ct:.0f} s; " + (f"XLA memory estimate {mem:.1f} GiB per device; " if mem else "")
+                  + _spread(ts))
+            if profile_to:
+                _profile_rows(t, "train", f"accumulate A=1 {tag}", call, jax.block_until_ready, *profile_to)
+        loss0 = float(box["out"][0])
+        grads = box["out"]
+        del call, box, compiled
+    per_micro, fixed = timed[2] - timed[1], 2 * timed[1] - timed[2]
+    t.add("train", f"micro-step fwd+bwd {tag} x {S}", per_micro * 1e3, "ms",
+          f"= t(A=2) {timed[2] * 1e3:.1f} - t(A=1) {timed[1] * 1e3:.1f} ms; {B * n_devices * S / per_micro:,.0f} "
+          f"tok/s in micro-steps; per-step fixed cost {fixed * 1e3:.1f} ms{sync}")
+    if not math.isfinite(loss0):
+        t.add("train", f"micro-step {tag} loss", loss0, "", "NON-FINITE")
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in rig.devs]
+    if all(p is not None for p in peaks):
+        t.add("train", f"peak device memory after {tag} (cumulative)", max(peaks) / 2**30,
+              "GiB", "memory_stats peak_bytes_in_use, largest device (params+opt state+grads+activations)")
+    return dict(per_micro=per_micro, fixed=fixed, A1=timed[1], A2=timed[2]), grads
+
+
+def time_update(t: Table, rig: TrainRig, grads, iters: int, reps: int) -> tuple[float, Any]:
+    """The optimizer update (clip + Muon + AdamW) on `grads`, donated state: (median s, new params)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from laplace_jax.sharding import replicated
+
+    prog, params, opt_state = rig.prog, rig.params, rig.opt_state
+    if grads is None:
+        grads = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+
+    def update(params, opt_state, acc):
+        updates, opt_state = prog.tx.update(acc[1], opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    ujit_kw = dict(in_shardings=(prog.param_sh, prog.opt_sh, (replicated(rig.mesh), prog.param_sh)),
+                   out_shardings=(prog.param_sh, prog.opt_sh))
+    update_j = jax.jit(update, donate_argnums=(0, 1), **ujit_kw)
+    state = {"p": params, "o": opt_state}
+    tc = time.perf_counter()
+    update_j.lower(params, opt_state, grads).compile()
+    ct = time.perf_counter() - tc
+
+    def ucall():
+        state["p"], state["o"] = update_j(state["p"], state["o"], grads)
+        return state["p"]
+    med, ts = _median_time(ucall, jax.block_until_ready, max(1, iters // 2), reps, warmup=2)
+    t.add("train", f"optimizer update (clip + Muon NS5 x96 + AdamW), {rig.where}", med * 1e3, "ms",
+          f"compile {ct:.0f} s; {_spread(ts)}")
+    return med, state["p"]
+
+
+def step_rows(t: Table, rig: TrainRig, best: tuple[int, float, float, int], update_s: float,
+              results: dict[str, Any], n_params_flop: float, peak: float, tokens_per_step: int) -> None:
+    """A step of `tokens_per_step` = fixed + accum x micro-step of the best variant + one update:
+    tok/s and MFU."""
+    Bg, per_micro, fixed, accum = best
+    n_devices = len(rig.devs)
+    step = fixed + accum * per_micro + update_s
+    tok_s = tokens_per_step / step
+    mfu = tok_s * 6 * n_params_flop / peak / n_devices
+    results["train"]["best"] = dict(B_global=Bg, step_s=step, tok_s=tok_s, mfu=mfu, devices=n_devices)
+    t.add("train", f"step of {tokens_per_step:,} tokens = fixed + {accum} x micro({Bg} seq) + 1 update", step, "s",
+          "computed from the medians above")
+    t.add("train", f"training throughput, {n_devices} device(s)", tok_s, "tok/s",
+          "target >= 28,000 on one H200; >= 1.9x one GPU on two")
+    t.add("train", "MFU per device (6N FLOP/token, 989 TFLOP/s datasheet)", 100 * mfu, "%",
+          f"against the measured bf16 GEMM ceiling ~790 TFLOP/s: {100 * mfu * peak / 790e12:.1f} %")
+    peaks = [(d.memory_stats() or {}) for d in rig.devs]
+    if all("peak_bytes_in_use" in p for p in peaks):
+        t.add("train", "peak device memory, whole train section", max(p["peak_bytes_in_use"] for p in peaks) / 2**30,
+              "GiB", f"largest device, of {peaks[0].get('bytes_limit', 0) / 2**30:.0f} GiB usable by JAX")
+
+
+def bench_train(t: Table, cfg, variants: list[tuple[int, list[str]]], iters: int, reps: int, out_dir: Path | None,
+                profile: bool, results: dict[str, Any], n_params_flop: float, peak: float,
+                tokens_per_step: int, n_devices: int = 1) -> Any:
+    """Per variant (B sequences per device, config overrides), time `grad_accum.accumulate` -- the
+    real training step's forward/backward -- over A=1 and A=2 micro-batches (`time_variant`). Then
+    the optimizer update. A step of `tokens_per_step` = fixed + accum x per micro-step + update. The
+    shardings and the optimizer are `laplace_jax.train.build_program`'s on a (data=1, fsdp=n_devices)
+    mesh: FSDP and the config's Muon comm, as the trainer runs them (one device: the same code, no
+    collectives). Returns the parameters (for the decode section)."""
+    rig = train_rig(t, cfg, n_devices, n_params_flop)
+    S = rig.mcfg.seq_len
     rng = np.random.default_rng(0)
-    devs = jax.devices()[:n_devices]
-    best: dict[str, tuple[int, float, float, int]] = {}   # (B global, per micro s, fixed s, accum)
+    best: tuple[int, float, float, int] | None = None   # (B global, per micro s, fixed s, accum)
     grads = None
     for i, (B, overrides) in enumerate(variants):
-        vcfg = _variant_cfg(cfg, overrides)
         Bg = B * n_devices                         # sequences per micro-step over all devices
         accum = max(1, tokens_per_step // (Bg * S))
         tag = _variant_tag(B, overrides) + (f" per device x {n_devices}" if n_devices > 1 else "")
-        sync = f", grad_sync={vcfg.train.grad_sync}" if n_devices > 1 else ""
         if best and time.perf_counter() - T_START > SKIP_EXTRA_AFTER_S:
             t.add("train", f"micro-step fwd+bwd {tag} x {S}", None, "ms",
                   f"skipped: bench past {SKIP_EXTRA_AFTER_S:.0f} s (--skip-extra-after)")
             continue
         try:
-            acc_j = jax.jit(lambda p, b, vcfg=vcfg: accumulate(p, b, vcfg, mesh), **jit_kw)
-            timed: dict[int, float] = {}
-            for A in (1, 2):
-                toks = rng.integers(0, mcfg.vocab_size, (A, Bg, S + 1), dtype=np.int32)
-                batch = {"inputs": jnp.asarray(toks[..., :-1]), "targets": jnp.asarray(toks[..., 1:])}
-                batch = jax.device_put(batch, b_sh)
-                grads = None
-                gc.collect()
-                tc = time.perf_counter()
-                compiled = acc_j.lower(params, batch).compile()
-                ct = time.perf_counter() - tc
-                box = {}
-
-                def call():
-                    box["out"] = compiled(params, batch)
-                    return box["out"]
-                med, ts = _median_time(call, jax.block_until_ready, max(1, iters // A), reps, warmup=1)
-                timed[A] = med
-                if A == 1:
-                    mem = None
-                    try:
-                        ma = compiled.memory_analysis()
-                        mem = (ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes
-                               - ma.alias_size_in_bytes) / 2**30
-                    except Exception:  # noqa: BLE001
-                        pass
-                    t.add("train", f"accumulate A=1 {tag} x {S}{sync}", med * 1e3, "ms",
-                          f"compile {ct:.0f} s; " + (f"XLA memory estimate {mem:.1f} GiB per device; " if mem else "")
-                          + _spread(ts))
-                    if profile and i == 0:
-                        _profile_rows(t, "train", f"accumulate A=1 {tag}", call, jax.block_until_ready, out_dir,
-                                      f"profile_train_{n_devices}dev.txt")
-                loss0 = float(box["out"][0])
-                grads = box["out"]
-                del batch, compiled, box
-            per_micro, fixed = timed[2] - timed[1], 2 * timed[1] - timed[2]
-            results.setdefault("train", {})[f"micro_{tag}"] = dict(per_micro=per_micro, fixed=fixed, A1=timed[1],
-                                                                   A2=timed[2])
-            t.add("train", f"micro-step fwd+bwd {tag} x {S}", per_micro * 1e3, "ms",
-                  f"= t(A=2) {timed[2] * 1e3:.1f} - t(A=1) {timed[1] * 1e3:.1f} ms; {Bg * S / per_micro:,.0f} tok/s "
-                  f"in micro-steps; per-step fixed cost {fixed * 1e3:.1f} ms{sync}")
-            if not math.isfinite(loss0):
-                t.add("train", f"micro-step {tag} loss", loss0, "", "NON-FINITE")
-            peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devs]
-            if all(p is not None for p in peaks):
-                t.add("train", f"peak device memory after {tag} (cumulative)", max(peaks) / 2**30,
-                      "GiB", "memory_stats peak_bytes_in_use, largest device (params+opt state+grads+activations)")
-            if not best or fixed + accum * per_micro < best["best"][2] + best["best"][3] * best["best"][1]:
-                best["best"] = (Bg, per_micro, max(fixed, 0.0), accum)
+            grads = None
+            profile_to = (out_dir, f"profile_train_{n_devices}dev.txt") if profile and i == 0 else None
+            timing, grads = time_variant(t, rig, B, overrides, iters, reps, rng, profile_to)
+            results.setdefault("train", {})[f"micro_{tag}"] = timing
+            per_micro, fixed = timing["per_micro"], timing["fixed"]
+            if not best or fixed + accum * per_micro < best[2] + best[3] * best[1]:
+                best = (Bg, per_micro, max(fixed, 0.0), accum)
         except Exception as e:  # noqa: BLE001
             msg = str(e).splitlines()[0][:200]
             t.add("train", f"micro-step fwd+bwd {tag} x {S}", None, "ms", f"failed: {type(e).__name__}: {msg}")
             grads = None
             gc.collect()
     if not best:
-        return params
+        return rig.params
+    params = rig.params
     try:
-        if grads is None:
-            grads = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-
-        def update(params, opt_state, acc):
-            updates, opt_state = tx.update(acc[1], opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
-        update_j = jax.jit(update, donate_argnums=(0, 1), **ujit_kw)
-        state = {"p": params, "o": opt_state}
-        tc = time.perf_counter()
-        update_j.lower(params, opt_state, grads).compile()
-        ct = time.perf_counter() - tc
-
-        def ucall():
-            state["p"], state["o"] = update_j(state["p"], state["o"], grads)
-            return state["p"]
-        med, ts = _median_time(ucall, jax.block_until_ready, max(1, iters // 2), reps, warmup=2)
-        params, opt_state = state["p"], state["o"]
-        results["train"]["update"] = med
-        t.add("train", f"optimizer update (clip + Muon NS5 x96 + AdamW), {where}", med * 1e3, "ms",
-              f"compile {ct:.0f} s; {_spread(ts)}")
-        Bg, per_micro, fixed, accum = best["best"]
-        step = fixed + accum * per_micro + med
-        tok_s = tokens_per_step / step
-        mfu = tok_s * 6 * n_params_flop / peak / n_devices
-        results["train"]["best"] = dict(B_global=Bg, step_s=step, tok_s=tok_s, mfu=mfu, devices=n_devices)
-        t.add("train", f"step of {tokens_per_step:,} tokens = fixed + {accum} x micro({Bg} seq) + 1 update", step, "s",
-              "computed from the medians above")
-        t.add("train", f"training throughput, {n_devices} device(s)", tok_s, "tok/s",
-              "target >= 28,000 on one H200; >= 1.9x one GPU on two")
-        t.add("train", "MFU per device (6N FLOP/token, 989 TFLOP/s datasheet)", 100 * mfu, "%",
-              f"against the measured bf16 GEMM ceiling ~790 TFLOP/s: {100 * mfu * peak / 790e12:.1f} %")
-        peaks = [(d.memory_stats() or {}) for d in devs]
-        if all("peak_bytes_in_use" in p for p in peaks):
-            t.add("train", "peak device memory, whole train section", max(p["peak_bytes_in_use"] for p in peaks) / 2**30,
-                  "GiB", f"largest device, of {peaks[0].get('bytes_limit', 0) / 2**30:.0f} GiB usable by JAX")
+        update_s, params = time_update(t, rig, grads, iters, reps)
+        results["train"]["update"] = update_s
+        step_rows(t, rig, best, update_s, results, n_params_flop, peak, tokens_per_step)
     except Exception as e:  # noqa: BLE001
         t.add("train", "optimizer update", None, "ms", f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    del opt_state, grads
+    del grads
     gc.collect()
     return params
 
 
 # ----------------------------------------------------------------------------- decode
+
+def _decode_fn(c, in_place: bool = True):
+    """decode_step for config `c`, its argmax as the next token; the state donated."""
+    import jax
+    import jax.numpy as jnp
+
+    from laplace_jax.model import decode_step
+
+    def step(p, tok, st):
+        logits, st = decode_step(p, tok, st, c, state_in_place=in_place)
+        return jnp.argmax(logits, -1).astype(jnp.int32), st
+    return jax.jit(step, donate_argnums=(2,))
+
+
+def _fed_back(fn, p16, tok, st) -> Callable[[], Any]:
+    """A zero-argument call: one decode step from the held state, its argmax fed to the next."""
+    box = {"tok": tok, "st": st}
+
+    def call():
+        box["tok"], box["st"] = fn(p16, box["tok"], box["st"])
+        return box["tok"]
+    return call
+
+
+def _failed(t: Table, label: str, unit: str, e: Exception) -> None:
+    t.add("decode", label, None, unit, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+
+
+def time_decode_widths(t: Table, mcfg, p16, step, widths: list[int], iters: int, reps: int,
+                       results: dict[str, Any], unscanned: bool, profile_to: Path | None | bool) -> None:
+    """decode_step (`step`: _decode_fn(mcfg)) at each width; at the widest also the scanned-state form
+    (`state_in_place=False`), with `unscanned` each width with scan_layers=false; `profile_to` (not
+    False): a trace of the widest."""
+    import jax
+    import jax.numpy as jnp
+
+    from laplace_jax.model import init_state, state_bytes_per_sequence
+
+    steps = {"": step, " [state as scan xs/ys, before]": _decode_fn(mcfg, in_place=False),
+             " [scan_layers=false]": _decode_fn(mcfg.with_execution(scan_layers=False))}
+    wide = max(widths)
+    runs = [(w, "") for w in widths] + [(wide, " [state as scan xs/ys, before]")]
+    runs += [(w, " [scan_layers=false]") for w in widths] if unscanned else []
+    for w, kind in runs:
+        label = f"decode_step width {w}{kind}"
+        try:
+            call = _fed_back(steps[kind], p16, jnp.zeros((w,), jnp.int32), init_state(mcfg.arch, w))
+            tc = time.perf_counter()
+            jax.block_until_ready(call())
+            ct = time.perf_counter() - tc
+            med, ts = _median_time(call, jax.block_until_ready, iters, reps, warmup=2)
+            results.setdefault("decode", {})[label] = med
+            state_gb = w * state_bytes_per_sequence(mcfg.arch) / 1e9
+            t.add("decode", label, med * 1e3, "ms/step",
+                  f"{w / med:,.0f} out tok/s; state {state_gb:.1f} GB read+written per step "
+                  f"({2 * state_gb / med / 1e3:.2f} TB/s with the state alone); first call {ct:.1f} s; {_spread(ts)}")
+            if profile_to is not False and w == wide and kind == "":
+                _profile_rows(t, "decode", f"one decode step width {w}", call, jax.block_until_ready, profile_to,
+                              "profile_decode.txt")
+            del call
+            gc.collect()
+        except Exception as e:  # noqa: BLE001
+            _failed(t, label, "ms/step", e)
+
+
+def time_after_prompts(t: Table, mcfg, p16, step, w: int, long_prompts: tuple[int, ...], iters: int, reps: int,
+                       results: dict[str, Any]) -> None:
+    """The decode step (`step`) at width `w` continuing the state of a prefill of prompts of each length."""
+    import jax
+    import jax.numpy as jnp
+
+    from laplace_jax.model import prefill
+
+    pf_state = jax.jit(lambda p, x: prefill(p, x, mcfg)[1])   # logits unused: XLA drops them
+    for L in long_prompts:
+        try:
+            toks = jnp.asarray(np.random.default_rng(L).integers(0, mcfg.arch.vocab_size, (w, L), np.int32))
+            call = _fed_back(step, p16, toks[:, -1], pf_state(p16, toks))
+            med, ts = _median_time(call, jax.block_until_ready, iters, reps, warmup=2)
+            results.setdefault("decode", {})[f"after_prompt_{L}"] = med
+            base = results["decode"].get(f"after_prompt_{long_prompts[0]}")
+            t.add("decode", f"decode_step width {w} after a {L}-token prompt", med * 1e3, "ms/step",
+                  f"{w / med:,.0f} out tok/s; {_spread(ts)}"
+                  + (f"; {100 * (med / base - 1):+.2f} % vs {long_prompts[0]}" if L != long_prompts[0] else ""))
+            del call
+            gc.collect()
+        except Exception as e:  # noqa: BLE001
+            _failed(t, f"decode_step after a {L}-token prompt", "ms/step", e)
+
+
+def time_prefill(t: Table, mcfg, p16, batch: int, iters: int, reps: int, results: dict[str, Any]) -> None:
+    """`prefill` of [batch, seq_len] random prompts (the state kept, the logits dropped)."""
+    import jax
+    import jax.numpy as jnp
+
+    from laplace_jax.model import prefill
+
+    try:
+        S = mcfg.arch.seq_len
+        pf = jax.jit(lambda p, x: prefill(p, x, mcfg)[1]["gla"][:, :, 0, 0, 0])   # keep the state, drop logits
+        toks = jnp.asarray(np.random.default_rng(1).integers(0, mcfg.arch.vocab_size, (batch, S), np.int32))
+        med, ts = _median_time(lambda: pf(p16, toks), jax.block_until_ready, max(2, iters // 4), reps, warmup=1)
+        results.setdefault("decode", {})["prefill"] = med
+        t.add("decode", f"prefill [{batch}, {S}] (state out)", med * 1e3, "ms",
+              f"{batch * S / med:,.0f} prompt tok/s; {_spread(ts)}")
+    except Exception as e:  # noqa: BLE001
+        _failed(t, "prefill", "ms", e)
+
 
 def bench_decode(t: Table, cfg, params, widths: list[int], iters: int, reps: int,
                  results: dict[str, Any], profile: bool = False, out_dir: Path | None = None,
@@ -539,7 +715,7 @@ def bench_decode(t: Table, cfg, params, widths: list[int], iters: int, reps: int
     import jax
     import jax.numpy as jnp
 
-    from laplace_jax.model import decode_step, init_params, init_state, prefill, state_bytes_per_sequence
+    from laplace_jax.model import init_params, state_bytes_per_sequence
 
     mcfg = _variant_cfg(cfg, []).net.with_execution(remat="none")   # resolved as generate resolves it
     if params is None:
@@ -548,82 +724,16 @@ def bench_decode(t: Table, cfg, params, widths: list[int], iters: int, reps: int
     p16 = jax.jit(lambda p: jax.tree.map(lambda a: a.astype(cdt), p))(params)
     del params
     gc.collect()
-
-    def make_step(c, in_place=True):
-        def step(p, tok, st):
-            logits, st = decode_step(p, tok, st, c, state_in_place=in_place)
-            return jnp.argmax(logits, -1).astype(jnp.int32), st
-        return jax.jit(step, donate_argnums=(2,))
-
-    def fed_back(fn, tok, st):
-        """A zero-argument call: one decode step from the held state, its argmax fed to the next."""
-        box = {"tok": tok, "st": st}
-
-        def call():
-            box["tok"], box["st"] = fn(p16, box["tok"], box["st"])
-            return box["tok"]
-        return call
-
     t.add("decode", "state bytes per sequence (fp32)", float(state_bytes_per_sequence(mcfg.arch)), "B", "")
-    steps = {"": make_step(mcfg), " [state as scan xs/ys, before]": make_step(mcfg, in_place=False),
-             " [scan_layers=false]": make_step(mcfg.with_execution(scan_layers=False))}
-    wide = max(widths)
-    runs = [(w, "") for w in widths] + [(wide, " [state as scan xs/ys, before]")]
-    runs += [(w, " [scan_layers=false]") for w in widths] if unscanned else []
-    for w, kind in runs:
-        fn = steps[kind]
-        label = f"decode_step width {w}{kind}"
-        try:
-            call = fed_back(fn, jnp.zeros((w,), jnp.int32), init_state(mcfg.arch, w))
-            tc = time.perf_counter()
-            jax.block_until_ready(call())
-            ct = time.perf_counter() - tc
-            med, ts = _median_time(call, jax.block_until_ready, iters, reps, warmup=2)
-            results.setdefault("decode", {})[label] = med
-            state_gb = w * state_bytes_per_sequence(mcfg.arch) / 1e9
-            t.add("decode", label, med * 1e3, "ms/step",
-                  f"{w / med:,.0f} out tok/s; state {state_gb:.1f} GB read+written per step "
-                  f"({2 * state_gb / med / 1e3:.2f} TB/s with the state alone); first call {ct:.1f} s; {_spread(ts)}")
-            if profile and w == wide and kind == "":
-                _profile_rows(t, "decode", f"one decode step width {w}", call, jax.block_until_ready, out_dir,
-                              "profile_decode.txt")
-            del call
-            gc.collect()
-        except Exception as e:  # noqa: BLE001
-            t.add("decode", label, None, "ms/step",
-                  f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    pf_state = jax.jit(lambda p, x: prefill(p, x, mcfg)[1])   # logits unused: XLA drops them
-    for L in long_prompts:   # decode cost per output token after prompts of different lengths
-        w = min(widths)
-        try:
-            toks = jnp.asarray(np.random.default_rng(L).integers(0, mcfg.arch.vocab_size, (w, L), np.int32))
-            call = fed_back(steps[""], toks[:, -1], pf_state(p16, toks))
-            med, ts = _median_time(call, jax.block_until_ready, iters, reps, warmup=2)
-            results.setdefault("decode", {})[f"after_prompt_{L}"] = med
-            base = results["decode"].get(f"after_prompt_{long_prompts[0]}")
-            t.add("decode", f"decode_step width {w} after a {L}-token prompt", med * 1e3, "ms/step",
-                  f"{w / med:,.0f} out tok/s; {_spread(ts)}"
-                  + (f"; {100 * (med / base - 1):+.2f} % vs {long_prompts[0]}" if L != long_prompts[0] else ""))
-            del call
-            gc.collect()
-        except Exception as e:  # noqa: BLE001
-            t.add("decode", f"decode_step after a {L}-token prompt", None, "ms/step",
-                  f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    try:
-        S = mcfg.arch.seq_len
-        pf = jax.jit(lambda p, x: prefill(p, x, mcfg)[1]["gla"][:, :, 0, 0, 0])   # keep the state, drop logits
-        toks = jnp.asarray(np.random.default_rng(1).integers(0, mcfg.arch.vocab_size, (prefill_batch, S), np.int32))
-        med, ts = _median_time(lambda: pf(p16, toks), jax.block_until_ready, max(2, iters // 4), reps, warmup=1)
-        results.setdefault("decode", {})["prefill"] = med
-        t.add("decode", f"prefill [{prefill_batch}, {S}] (state out)", med * 1e3, "ms",
-              f"{prefill_batch * S / med:,.0f} prompt tok/s; {_spread(ts)}")
-    except Exception as e:  # noqa: BLE001
-        t.add("decode", "prefill", None, "ms", f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    step = _decode_fn(mcfg)   # one jit for the width sweep and the after-prompt steps (shared compiles)
+    time_decode_widths(t, mcfg, p16, step, widths, iters, reps, results, unscanned, out_dir if profile else False)
+    time_after_prompts(t, mcfg, p16, step, min(widths), long_prompts, iters, reps, results)
+    time_prefill(t, mcfg, p16, prefill_batch, iters, reps, results)
 
 
 # ----------------------------------------------------------------------------- main
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="benchmarks/bench.py", description=__doc__.split("\n\n")[1])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU, < 60 s): checks the code paths")
     ap.add_argument("--parts", default="gla,train,decode", help="comma list of gla, train, decode")
@@ -646,38 +756,75 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds: skip micro-batch sizes after the first once the bench has run this long")
     ap.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for bench.json / bench.md")
     args = ap.parse_args(argv)
+    return args
+
+
+class Plan(NamedTuple):
+    """The shapes and repetitions of a run: --smoke's tiny ones or the full ones."""
+    cfg: Any
+    gla_shape: dict[str, int]
+    widths: list[int]
+    micro_batches: list[tuple[int, list[str]]]
+    iters: int
+    reps: int
+    n_flop: float | None      # N of 6N FLOP/token (None: counted from the config's tree)
+
+
+def plan(args) -> Plan:
+    from laplace_jax.config import load_config
+
+    if args.smoke:
+        cfg = load_config("laplace_tiny", ["model.vocab_size=512", "model.seq_len=64", "execution.remat=dots_no_batch",
+                                           "execution.compute_dtype=bfloat16", "train.batch_tokens=256"])
+        micro = parse_variants(args.micro_batches if args.micro_batches != "8,16" else "2,2:dense_output=float32")
+        # 7 reps, not 3: on a shared 2-core CI machine a median of 3 let one slow A=1 block flip the
+        # sign of the micro-step difference t(A=2) - t(A=1) (-0.35 ms once); 7 costs no measurable time
+        return Plan(cfg, GLA_SMOKE, [1, 4], micro, 2, args.reps or 7, None)
+    widths = [int(w) for w in args.decode_widths.split(",") if w]
+    return Plan(load_config(args.config), GLA_FULL, widths, parse_variants(args.micro_batches), 10, args.reps or 7,
+                N_PARAMS_3B if args.config == "laplace_3b" else None)
+
+
+def _section_failed(t: Table, section: str, e: Exception) -> None:
+    traceback.print_exc()
+    t.add(section, f"{section} section", None, "", f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+
+
+def run_train(t: Table, args, p: Plan, out_dir: Path | None, results: dict[str, Any]) -> Any:
+    """The train section; its parameters (None if it failed)."""
+    import jax
+
+    from laplace_jax.model import param_shapes
+
+    n_flop = p.n_flop or float(sum(int(np.prod(s.shape)) for s in jax.tree.leaves(param_shapes(p.cfg.model))))
+    tokens = p.cfg.train.batch_tokens if args.smoke else ARTICLE_TOKENS_PER_STEP
+    try:
+        return bench_train(t, p.cfg, p.micro_batches, 3 if not args.smoke else p.iters,
+                           p.reps if args.smoke else 5, out_dir, args.profile, results, n_flop, PEAK_BF16, tokens,
+                           n_devices=args.devices)
+    except Exception as e:  # noqa: BLE001
+        _section_failed(t, "train", e)
+        return None
+    finally:
+        gc.collect()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     global SKIP_EXTRA_AFTER_S
     SKIP_EXTRA_AFTER_S = args.skip_extra_after
-    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
     out_dir = Path(args.out) if args.out else None
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     t = Table(out_dir / "bench_rows.txt" if out_dir else None)
     results: dict[str, Any] = {}
-
-    from laplace_jax.config import load_config
-    if args.smoke:
-        cfg = load_config("laplace_tiny", ["model.vocab_size=512", "model.seq_len=64", "execution.remat=dots_no_batch",
-                                           "execution.compute_dtype=bfloat16", "train.batch_tokens=256"])
-        gla_shape, widths = GLA_SMOKE, [1, 4]
-        micro_batches = parse_variants(args.micro_batches if args.micro_batches != "8,16" else "2,2:dense_output=float32")
-        # 7 reps, not 3: on a shared 2-core CI machine a median of 3 let one slow A=1 block flip the
-        # sign of the micro-step difference t(A=2) - t(A=1) (-0.35 ms once); 7 costs no measurable time
-        iters, reps = 2, args.reps or 7
-        n_flop = None
-    else:
-        cfg = load_config(args.config)
-        gla_shape = GLA_FULL
-        micro_batches = parse_variants(args.micro_batches)
-        widths = [int(w) for w in args.decode_widths.split(",") if w]
-        iters, reps = 10, args.reps or 7
-        n_flop = N_PARAMS_3B if args.config == "laplace_3b" else None
-
+    p = plan(args)
     fla = None
     if "gla" in parts and not args.no_fla and not args.smoke:
         with tempfile.TemporaryDirectory() as tmp:
-            fla = run_fla(gla_shape, iters * 2, reps, tmp, args.fla_timeout)
+            fla = run_fla(p.gla_shape, p.iters * 2, p.reps, tmp, args.fla_timeout)
         if "skipped" in fla:
             print(f"[bench] fla: {fla['skipped']}", flush=True)
 
@@ -690,30 +837,15 @@ def main(argv: list[str] | None = None) -> int:
         t.rows[-1]["note"] += "; SMOKE: tiny shapes, times meaningless"
 
     if "gla" in parts:
-        bench_gla(t, gla_shape, iters * 2, reps, fla, args.gla_variants, results)
-    params = None
-    if "train" in parts:
-        from laplace_jax.model import param_shapes
-        if n_flop is None:
-            n_flop = float(sum(int(np.prod(s.shape)) for s in jax.tree.leaves(param_shapes(cfg.model))))
-        tokens = cfg.train.batch_tokens if args.smoke else ARTICLE_TOKENS_PER_STEP
-        try:
-            params = bench_train(t, cfg, micro_batches, 3 if not args.smoke else iters, reps if args.smoke else 5,
-                                 out_dir, args.profile, results, n_flop, PEAK_BF16, tokens,
-                                 n_devices=args.devices)
-        except Exception as e:  # noqa: BLE001
-            traceback.print_exc()
-            t.add("train", "train section", None, "", f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-            params = None
-        gc.collect()
+        bench_gla(t, p.gla_shape, p.iters * 2, p.reps, fla, args.gla_variants, results)
+    params = run_train(t, args, p, out_dir, results) if "train" in parts else None
     if "decode" in parts:
         try:
             longs = tuple(int(x) for x in args.long_prompts.split(",") if x) or ((16, 48) if args.smoke else ())
-            bench_decode(t, cfg, params, widths, 20 if not args.smoke else iters, reps, results, args.profile, out_dir,
-                         args.decode_unscanned, long_prompts=longs)
+            bench_decode(t, p.cfg, params, p.widths, 20 if not args.smoke else p.iters, p.reps, results,
+                         args.profile, out_dir, args.decode_unscanned, long_prompts=longs)
         except Exception as e:  # noqa: BLE001
-            traceback.print_exc()
-            t.add("decode", "decode section", None, "", f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            _section_failed(t, "decode", e)
     t.add("env", "bench wall time", time.perf_counter() - t_start, "s", "")
     md = t.markdown()
     print("\n" + md, flush=True)
@@ -722,7 +854,6 @@ def main(argv: list[str] | None = None) -> int:
         (out_dir / "bench.json").write_text(json.dumps({"rows": t.rows, "results": results,
                                                          "argv": sys.argv[1:]}, indent=1, default=str))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_all.sh serve OUT   # 3B through vLLM (after ../shared/tools/vllm-gpu installed it)
 #   bash benchmarks/gpu_all.sh profile OUT # one prefill and 8 decode steps in vLLM under the torch profiler
 #   bash benchmarks/gpu_all.sh pair OUT [serve_bench args]  # 1,280 x 2,048 x 256: Laplace and the Llama peer
+#   bash benchmarks/gpu_all.sh online OUT --workloads sweep  # online serving (online_bench.py; <= 590 s a call)
 # Wheels the GPU image lacks (fla-core, einops) are installed from .whl/ when present. Each part
 # runs under its own time limit so one hang cannot eat the whole call; logs land in OUT.
 set -uo pipefail
@@ -41,13 +42,13 @@ train)
             --out "$out/all" > "$out/all.log" 2>&1
     fi ;;
 kernels)
-    for m in gla_triton gla_prefill_triton mix_triton conv_triton; do
-        CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m export.$m cuda > "$out/$m.log" 2>&1
+    for m in gla_decode gla_prefill gated_mix conv; do
+        CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/ops/bench_kernels.py cuda $m > "$out/$m.log" 2>&1
         echo "== $m (rc $?)"; tail -12 "$out/$m.log" | cut -c1-200
     done ;;
 serve)
     vllm_env
-    timeout 540 python3 benchmarks/serve_bench.py --out "$out/serve" --skip-long > "$out/serve.log" 2>&1
+    timeout 540 python3 benchmarks/serve_bench --out "$out/serve" --skip-long > "$out/serve.log" 2>&1
     grep "ROW" "$out/serve.log" | cut -c1-200 ;;
 profile)
     # one prefill step (8 x 2,048) and 8 decode steps at width 1,280 in the engine, plus the in-engine
@@ -59,10 +60,17 @@ pair)
     # issue 15's 2,048-token shape, Laplace then the Llama peer in one call (~390 s after both folders
     # exist); arguments after OUT go to serve_bench, e.g. --config laplace_tiny or --llm-kwargs JSON
     vllm_env
-    timeout 570 python3 benchmarks/serve_bench.py --out "$out/pair" --peer llama --no-half \
+    timeout 570 python3 benchmarks/serve_bench --out "$out/pair" --peer llama --no-half \
         --shapes 1280x2048x256 --model-dir /dev/shm/lap --peer-dir /dev/shm/peer "${@:3}" > "$out/pair.log" 2>&1
     grep "ROW" "$out/pair.log" | cut -c1-200 ;;
-*) echo "usage: $0 gla|ops|kernels|train|serve|profile|pair OUT" >&2; exit 2 ;;
+online)
+    # issues 32/33: vLLM's OpenAI server driven by `vllm bench serve`, Laplace then the Llama peer (the
+    # pair's folders); arguments after OUT go to online_bench, e.g. --workloads sweep (one call per group)
+    vllm_env
+    timeout 590 python3 benchmarks/online_bench.py --out "$out/online" --pack --model-dir /dev/shm/lap \
+        --peer-dir /dev/shm/peer "${@:3}" > "$out/online.log" 2>&1
+    tail -c 9000 "$out/online.log" ;;
+*) echo "usage: $0 gla|ops|kernels|train|serve|profile|pair|online OUT" >&2; exit 2 ;;
 esac
 rm -f "$out"/*/bench.md
 grep -h "^\[bench\]\|^\[micro\]" "$out"/*.log 2>/dev/null | cut -c1-260

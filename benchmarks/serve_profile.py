@@ -6,7 +6,7 @@
 
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so one torch profiler sees every
 kernel the model launches, the ones replayed from CUDA graphs included.  Same random-weight folder as
-`serve_bench.py` (reused from /dev/shm when there).  The prefill step is profiled twice in the
+`benchmarks/serve_bench` (reused from /dev/shm when there).  The prefill step is profiled twice in the
 same engine, on the torch path (LAPLACE_VLLM_TRITON=0) and on the packed Triton path (where triton
 runs: CUDA).  Writes DIR/profile_prefill_{torch,triton}.txt and DIR/profile_decode.txt (the top ops
 by self device time) and DIR/profile.json: per phase the wall time of the profiled region and the
@@ -25,8 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_check import exit_skipping_teardown, stop_engine  # noqa: E402
-from serve_bench import (FOLDER_LEN, ensure_plugin_entry_point, laplace_folder, log, make_prompts,  # noqa: E402
-                         prefer_v2_runner)
+from serve_bench.engine import ensure_plugin_entry_point, prefer_v2_runner  # noqa: E402
+from serve_bench.folders import FOLDER_LEN, laplace_folder  # noqa: E402
+from serve_bench.measures import make_prompts  # noqa: E402
+from serve_bench.rows import log  # noqa: E402
 
 # kernel-name fragments → kind, first match wins (cuBLAS/CUTLASS GEMMs, Inductor's and our Triton
 # kernels, copies and gathers, the rest of aten's element-wise and reduction kernels)
@@ -164,7 +166,7 @@ def path_agreement(llm, n: int = 4, prompt_len: int = 256, new: int = 32) -> dic
             "triton_prefill_vs_torch_prefill": stats(np.abs(triton_pf - torch_pf))}
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true")
@@ -182,28 +184,33 @@ def main(argv=None) -> int:
     a.decode_width = (4 if a.smoke else 1280) if a.decode_width is None else a.decode_width
     a.dtype = a.dtype or ("float32" if a.smoke else "bfloat16")
     a.max_num_batched_tokens = max(a.max_num_batched_tokens, a.prefill_seqs * a.prompt_len)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    return a
+
+
+def setup_env(a) -> None:
+    """Before vLLM is imported: the engine in this process, no FlashInfer sampler JIT, offline."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"       # the model runs in this process
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if a.smoke:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-    import torch
-    from vllm import LLM, SamplingParams
+
+def start_engine(a, cuda: bool):
+    """The serve benchmark's random-weight folder (built or reused) in an in-process vLLM engine."""
+    import tempfile
+
+    from vllm import LLM
 
     from laplace_jax.config import load_config
     from laplace_jax.spec import Arch
 
-    cuda = torch.cuda.is_available() and not a.smoke
     prefer_v2_runner(cuda)
     cfg = load_config("laplace_tiny").model if a.smoke else Arch()
     max_len = max(a.prompt_len, 256 + 32) + 64 + a.decode_steps     # path_agreement: 256 + 32 tokens
-    import tempfile
     ensure_plugin_entry_point(Path(tempfile.mkdtemp(prefix="serve_profile_")))
-    # the serve benchmark's folder (same length limit, so either script reuses the other's)
-    folder, has_tok, _, _ = laplace_folder(a, cfg, "cuda" if cuda else "cpu", max(max_len, FOLDER_LEN))
+    # the serve benchmark's folder (same length limit, so either program reuses the other's)
+    folder, has_tok, _, _ = laplace_folder(a, cfg, max(max_len, FOLDER_LEN))
     kw = dict(model=str(folder), dtype=a.dtype, max_num_seqs=max(a.decode_width, a.prefill_seqs),
               max_model_len=max_len, max_num_batched_tokens=a.max_num_batched_tokens,
               enable_prefix_caching=False, seed=0, enforce_eager=a.smoke, skip_tokenizer_init=not has_tok)
@@ -211,35 +218,34 @@ def main(argv=None) -> int:
         kw.update(gpu_memory_utilization=a.gpu_mem,
                   compilation_config={"max_cudagraph_capture_size": kw["max_num_seqs"]})
     log(f"starting vLLM in-process: {kw}")
-    llm = LLM(**kw)
+    return LLM(**kw)
+
+
+def profile_prefill(llm, a, res: dict, out: Path, cuda: bool) -> None:
+    """One prefill step of prefill_seqs x prompt_len on each path, profiled and bare; their ratio.
+    The mixer is an opaque op run eagerly on prefill steps and reads LAPLACE_VLLM_TRITON per call,
+    so both prefill paths run in this one engine: a same-process ratio."""
+    from vllm import SamplingParams
+
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     prompts = [{"prompt_token_ids": p} for p in make_prompts(a.prefill_seqs, a.prompt_len, seed=3)]
-    from export import gla_triton
-    res = {"args": vars(a), "device": torch.cuda.get_device_name() if cuda else "cpu",
-           # where triton cannot run (CPU), both prefill rows are the torch path
-           "triton_runs_here": gla_triton.available(torch.empty(0, device="cuda" if cuda else "cpu"))}
-
-    res["path_agreement"] = path_agreement(llm)
-    log(f"paths: {res['path_agreement']}")
-    # The mixer is an opaque op run eagerly on prefill steps and reads LAPLACE_VLLM_TRITON per call,
-    # so both prefill paths run in this one engine: a same-process ratio.
+    tokens = a.prefill_seqs * a.prompt_len
     for path, switch in (("torch", "0"), ("triton", "1")):
         os.environ["LAPLACE_VLLM_TRITON"] = switch
         llm.generate(prompts, sp, use_tqdm=False)                          # this path's warm-up
         prof, wall = profiled(lambda: llm.generate(prompts, sp, use_tqdm=False), cuda)
         row = res[f"prefill_{path}"] = summarize(prof, wall, 1)
         bare = timed(lambda: llm.generate(prompts, sp, use_tqdm=False), cuda)
-        row.update(tokens=a.prefill_seqs * a.prompt_len, tok_per_s=a.prefill_seqs * a.prompt_len / wall,
-                   wall_ms_unprofiled=1e3 * bare, tok_per_s_unprofiled=a.prefill_seqs * a.prompt_len / bare)
+        row.update(tokens=tokens, tok_per_s=tokens / wall, wall_ms_unprofiled=1e3 * bare,
+                   tok_per_s_unprofiled=tokens / bare)
         (out / f"profile_prefill_{path}.txt").write_text(table(prof))
         log(f"prefill ({path} path) {a.prefill_seqs} x {a.prompt_len}: {row}")
     os.environ.pop("LAPLACE_VLLM_TRITON")
     res["prefill_ratio_triton_vs_torch"] = res["prefill_triton"]["tok_per_s"] / res["prefill_torch"]["tok_per_s"]
-    (out / "profile.json").write_text(json.dumps(res, indent=2) + "\n")
-    if not a.decode_width:
-        stop_engine(llm)
-        return 0
 
+
+def profile_decode(llm, a, res: dict, out: Path, cuda: bool) -> None:
+    """decode_steps pure decode steps at decode_width: profiled, bare and under cProfile."""
     run, done = decode_steps(llm, a.decode_width, 16, a.decode_steps)
     prof, wall = profiled(run, cuda)
     bare = timed(run, cuda)
@@ -250,10 +256,31 @@ def main(argv=None) -> int:
                          wall_ms_per_step_cprofile=1e3 * host / a.decode_steps)
     (out / "profile_decode.txt").write_text(table(prof))
     log(f"decode width {a.decode_width}: {res['decode']}")
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    setup_env(a)
+    import torch
+
+    from export.ops import triton_switch
+
+    cuda = torch.cuda.is_available() and not a.smoke
+    llm = start_engine(a, cuda)
+    res = {"args": vars(a), "device": torch.cuda.get_device_name() if cuda else "cpu",
+           # where triton cannot run (CPU), both prefill rows are the torch path
+           "triton_runs_here": triton_switch.available(torch.empty(0, device="cuda" if cuda else "cpu"))}
+    res["path_agreement"] = path_agreement(llm)
+    log(f"paths: {res['path_agreement']}")
+    profile_prefill(llm, a, res, out, cuda)
     (out / "profile.json").write_text(json.dumps(res, indent=2) + "\n")
+    if a.decode_width:
+        profile_decode(llm, a, res, out, cuda)
+        (out / "profile.json").write_text(json.dumps(res, indent=2) + "\n")
     stop_engine(llm)
     return 0
-
 
 if __name__ == "__main__":
     exit_skipping_teardown(main())

@@ -6,7 +6,7 @@
 
 `--prompt-logprobs` scores the prompts instead (teacher forcing): "prompt_logprobs" holds, per
 prompt, the log-probability vLLM gives each prompt token after the first.
-Used by tests/test_vllm.py (vLLM starts worker processes, so it runs in its own process) and
+Used by tests/serve/test_vllm.py (vLLM starts worker processes, so it runs in its own process) and
 handy on a GPU machine.  Output: {"outputs": [[ids...], ...], "state_bytes_per_seq": int|null}.
 `--staggered K` adds the first K prompts, runs a few engine steps, then adds the rest while
 those decode. `--batch-stats` adds "batch_stats": per engine step, how many decode rows (and how

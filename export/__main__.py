@@ -1,11 +1,35 @@
 """python -m export --checkpoint RUN_DIR [--step N] --out DIR [--dtype bfloat16|float32] [--overwrite]"""
+import importlib
 import sys
 
-from export.convert import DTYPES, ExportError, export_checkpoint
 from laplace_jax.cli import EXIT_USAGE, Parser
+
+# What the export imports beyond `make train`'s install: the serve extra (pyproject.toml) brings them
+SERVE_MODULES = ("torch", "safetensors")
+SERVE_INSTALL = ("`make install-serve` in the checkout (pip install -e '.[cpu,serve]' and its post-install step; "
+                 "README, Serving with vLLM)")
+
+
+def missing_serve_module() -> str | None:
+    """The serve-extra module that `export.convert` cannot import here, or None when it imports.
+    Any other missing module is a real bug and raises."""
+    try:
+        importlib.import_module("export.convert")
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] in SERVE_MODULES:
+            return e.name
+        raise
+    return None
 
 
 def main(argv=None) -> int:
+    missing = missing_serve_module()
+    if missing:
+        print(f"error: python -m export needs PyTorch and safetensors, which are not installed (no module named "
+              f"{missing!r}): run {SERVE_INSTALL}", file=sys.stderr)
+        return EXIT_USAGE
+    from export.convert import DTYPES, ExportError, export_checkpoint
+
     ap = Parser(prog="python -m export",
                                  description="Export a Laplace orbax checkpoint to a Hugging-Face-style "
                                              "folder that plain torch and vLLM load. Reads the parameters "

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
+from export.file_mode import set_plain_file_mode
 from export.torch_model import CONFIG_NAME, WEIGHTS_NAME
 from laplace_jax import spec
 from laplace_jax.spec import EOS_TOKEN_ID, Arch
@@ -146,12 +147,12 @@ def _torch_dtype(dtype: str):
 
 def export_params(params: dict, arch: Arch, out_dir, dtype: str = "float32", *,
                   overwrite: bool = False, tokenizer: bool = True, step: Optional[int] = None,
-                  release: bool = False) -> Path:
+                  release: bool = False, max_len: Optional[int] = None) -> Path:
     """Write config.json, model.safetensors, tokenizer files and generation_config.json.
 
     params: nested dict of numpy arrays in the `spec.PARAMS` tree; arch: its `spec.Arch`. With
     `release`, `params` is emptied as it is converted (see `iter_views`): for a caller that hands
-    its tree over."""
+    its tree over. `max_len`: the length limit written for vLLM/transformers (`model_max_len`)."""
     from export.torch_model import check_state_dict
 
     tdtype = _torch_dtype(dtype)
@@ -162,7 +163,7 @@ def export_params(params: dict, arch: Arch, out_dir, dtype: str = "float32", *,
     check_state_dict(expected_shapes(cfg), converted_shapes(params, cfg.num_layers), str(out))
     tensors = {name: _to_torch(view, tdtype)
                for name, view in iter_views(params, cfg.num_layers, release=release)}
-    write_hf_folder(out, cfg, tensors, dtype, step=step, tokenizer=tokenizer)
+    write_hf_folder(out, cfg, tensors, dtype, step=step, tokenizer=tokenizer, max_len=max_len)
     return out
 
 
@@ -178,6 +179,7 @@ def write_hf_folder(out: Path, cfg: Arch, tensors: dict, dtype: str, *, step: Op
     out.mkdir(parents=True, exist_ok=True)
     auto_map = write_remote_code(out)   # first: code that cannot be shipped fails before the weights are written
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+    set_plain_file_mode(out / WEIGHTS_NAME)   # safetensors writes it 0600 (a private temp file, renamed)
     hf = hf_config_dict(cfg, dtype, max_len)
     hf["auto_map"] = auto_map           # transformers' trust_remote_code entry points
     if step is not None:

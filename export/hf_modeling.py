@@ -1,8 +1,8 @@
 """The Laplace decoder as a `transformers` model: `AutoModelForCausalLM`, `generate`, PEFT, lm-eval.
 
-`export/remote_code.py` ships this module, `hf_config.py` and `torch_model.py` into every exported
-folder, so `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` runs
-`export/torch_model.py` itself: prefill is its chunked forward, each generated token its recurrent
+`export/remote_code.py` ships this module, `hf_config.py`, `torch_model.py` and the modules they
+import (`reference.py`, `spec.py`) into every exported folder, so
+`AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` runs `export/torch_model.py` itself: prefill is its chunked forward, each generated token its recurrent
 `decode_step`, exactly as `LaplaceForCausalLM.generate` there.
 
 The cache handed between `generate`'s steps is the recurrent state (`LaplaceState`, per layer a conv
@@ -20,7 +20,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from export.hf_config import LaplaceHFConfig
 from export.torch_model import LaplaceForCausalLM as LaplaceTorchLM
-from export.torch_model import LaplaceMixerWeights, _Norm
+from export.torch_model import LaplaceMixer, Norm
 
 State = list   # per layer {"conv": [B, C, D], "gla": [B, H, K, V]} float32, as torch_model's
 
@@ -92,11 +92,11 @@ class LaplaceForCausalLM(PreTrainedModel, GenerationMixin):
         """Linear/Embedding/Conv as transformers does; torch_model's own initial values for the rest.
         On a complete checkpoint only the decay buffer (not stored: it follows from config) runs."""
         super()._init_weights(module)
-        if isinstance(module, LaplaceMixerWeights):
-            init.copy_(module.gamma, torch.tensor(self.config.arch().decay_log(), dtype=module.gamma.dtype))
+        if isinstance(module, LaplaceMixer):
+            init.copy_(module.g_gamma, torch.tensor(self.config.arch().decay_log(), dtype=module.g_gamma.dtype))
             init.zeros_(module.aug_balance)
             init.ones_(module.head_norm)
-        elif isinstance(module, _Norm):
+        elif isinstance(module, Norm):
             init.ones_(module.weight)
 
     def _prefill_rows(self, input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, State]:

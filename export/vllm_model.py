@@ -5,12 +5,12 @@ Each layer's token mixer is a `MambaBase` layer whose two float32 states — the
 `MambaAttentionBackendEnum.LINEAR`).  The mixer runs as one opaque custom op
 (`torch.ops.vllm.laplace_mixer`) so the rest of the model can go through torch.compile.
 
-On CUDA with triton, Triton kernels update the states in the pool in place, with no grouping by
-length: the decode rows' conv window (export/conv_triton.py, one-token tiles) and GLA step
-(export/gla_triton.py); all prefill requests of a step as one
-packed call each of export/conv_triton.py (conv window + SiLU) and export/gla_prefill_triton.py
-(chunked GLA), with no state gather / scatter; on both, the post-GLA part (self-augmentation, head
-norm, gate, cast) as one kernel of export/mix_triton.py.  The torch path (CPU installs without triton, or
+On CUDA with triton, Triton kernels (export/ops/) update the states in the pool in place, with no
+grouping by length: the decode rows' conv window (ops/conv.py, one-token tiles) and GLA step
+(ops/gla_decode.py); all prefill requests of a step as one packed call each of ops/conv.py (conv
+window + SiLU) and ops/gla_prefill.py (chunked GLA), with no state gather / scatter; on both, the
+post-GLA step (`gated_mix`: self-augmentation, head norm, gate, cast) as one kernel of
+ops/gated_mix.py.  The torch path (CPU installs without triton, or
 LAPLACE_VLLM_TRITON=0) runs prefill requests of equal query length as one batch (chunked GLA with
 no loop over chunks) and the decode step in torch.
 A decode-only batch may be captured whole in a CUDA graph (the LINEAR backend allows uniform
@@ -34,11 +34,10 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
 from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from export.torch_model import LaplaceMixerWeights, _Norm, check_state_dict, layer_norm
+from export.ops import conv, gated_mix, gla_decode, gla_prefill, triton_switch, warmup
+from export.reference import layer_norm
+from export.torch_model import LaplaceMixer, Norm, check_state_dict
 from laplace_jax.spec import Arch
-
-from export import conv_triton, gla_prefill_triton, gla_triton, mix_triton
-from export.ops import warmup
 
 try:  # vLLM >= 0.11
     from vllm.compilation.decorators import support_torch_compile
@@ -59,11 +58,11 @@ def state_shapes(cfg: Arch):
 STATE_DTYPES = (torch.float32, torch.float32)
 
 
-class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
+class LaplaceVllmMixer(LaplaceMixer, MambaBase):
     """Token mixer (conv → qkvg → GLA → aug → head norm → gate → w_out) with state in vLLM's pool."""
 
     def __init__(self, cfg: Arch, prefix: str):
-        LaplaceMixerWeights.__init__(self, cfg)
+        LaplaceMixer.__init__(self, cfg)
         self.cfg = cfg
         self.prefix = prefix
         self.chunk = max(1, cfg.chunk_size)   # prefill chunk (any size is exact)
@@ -135,7 +134,7 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
         # (a freed slot that another sequence may own now): send their writes to the null slot 0.
         pad = (slots < 0) | (md.seq_lens[:nreq] <= 0)
         slots = torch.where(pad, torch.zeros_like(slots), slots)
-        fast = gla_triton.available(xn)   # the Triton kernels (CUDA, triton installed, not switched off)
+        fast = triton_switch.available(xn)   # the Triton kernels (CUDA, triton installed, not switched off)
         if nd > 0 and fast:   # no host sync here: a decode-only batch may be captured in a full CUDA graph
             self._decode_fast(xn[:nd], conv_pool, gla_pool, slots[:nd], has_ctx[:nd], residual[:nd])
         elif nd > 0:
@@ -154,10 +153,10 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
         """One token per row, `forward_step` as three Triton kernels and two GEMMs: conv window and
         GLA state updated in the pool at slots sl in place; the mixer output added to residual
         [B, D] in place."""
-        u = conv_triton.conv_decode_inplace(conv_pool, sl, keep, xn, self.conv.weight, self.conv.bias)
+        u = conv.conv_decode_inplace(conv_pool, sl, keep, xn, self.conv.weight, self.conv.bias)
         q, k, v, g = self.heads(self.w_qkvg(u))
-        o = gla_triton.gla_decode_inplace(gla_pool, sl, keep, q, k, v, self.gamma)
-        self._step_out_fused(q, k, v, g, o, residual)
+        o = gla_decode.gla_decode_inplace(gla_pool, sl, keep, q, k, v, self.g_gamma)
+        self._mix_out_fused(q, k, v, g, o, residual)
 
     def _decode(self, xn, conv_pool, gla_pool, sl, keep):
         """The torch decode path: conv window and GLA state gathered from the pool at slots sl
@@ -175,24 +174,24 @@ class LaplaceVllmMixer(LaplaceMixerWeights, MambaBase):
         x [T, D]: their tokens back to back, request r's at cu[r]:cu[r+1]; sl [R] slots; keep [R]
         (False: a new sequence, zero states).  The mixer output is added to residual [T, D] in
         place."""
-        u = conv_triton.conv_prefill_inplace(conv_pool, sl, keep, x, self.conv.weight, self.conv.bias, cu)
+        u = conv.conv_prefill_inplace(conv_pool, sl, keep, x, self.conv.weight, self.conv.bias, cu)
         q, k, v, g = self.heads(self.w_qkvg(u))
         # the kernel reads q, k, v straight from the projection (strided views, x's dtype).  o stays
         # float32: a bf16 o (as JAX's chunk_simple_gla returns it) made the kernel slower than the
         # fused post gained (H200, 8 × 2,048 tokens: 0.349 vs 0.279 ms, and 0.179 vs 0.197 ms;
         # BENCHMARKS run S10)
-        o = gla_prefill_triton.gla_prefill_inplace(gla_pool, sl, keep, q, k, v, self.gamma, cu)
-        self._step_out_fused(q, k, v, g, o, residual)
+        o = gla_prefill.gla_prefill_inplace(gla_pool, sl, keep, q, k, v, self.g_gamma, cu)
+        self._mix_out_fused(q, k, v, g, o, residual)
 
-    def _step_out_fused(self, q, k, v, g, o, residual) -> None:
-        """`step_out` with mixer_post as one Triton kernel (export/mix_triton.py): the same float32
+    def _mix_out_fused(self, q, k, v, g, o, residual) -> None:
+        """`mix_out` with gated_mix as one Triton kernel (export/ops/gated_mix.py): the same float32
         math (q, k, v, g, o of any float dtype upcast inside it), y [N, H·V] in residual's dtype,
         then residual [N, D] += y w_out^T as one in-place GEMM (cuBLAS adds the residual in its
         epilogue, to the float32 accumulator: one rounding; `addmm_` hands cuBLAS the residual rows
         as both C and the output, so nothing is copied).  q, k [N, H, K], v, g [N, H, V] (views of
         the projection), o [N, H, V]; residual: a row block of the block's input (contiguous)."""
-        y = mix_triton.mixer_post_fused(q, k, v, g, o, self.aug_balance, self.head_norm, self.eps,
-                                        residual.dtype)
+        y = gated_mix.gated_mix_fused(q, k, v, g, o, self.aug_balance, self.head_norm, self.eps,
+                                      residual.dtype)
         residual.addmm_(y, self.w_out.weight.t())
 
     def _prefill(self, xn, residual, conv_pool, gla_pool, slots, has_ctx, groups):
@@ -288,9 +287,9 @@ direct_register_custom_op(op_name="laplace_mixer", op_func=_laplace_mixer,
 class LaplaceVllmBlock(nn.Module):
     def __init__(self, cfg: Arch, prefix: str):
         super().__init__()
-        self.attn_norm = _Norm(cfg.d_model)
+        self.attn_norm = Norm(cfg.d_model)
         self.mixer = LaplaceVllmMixer(cfg, prefix=f"{prefix}.mixer")
-        self.ffn_norm = _Norm(cfg.d_model)
+        self.ffn_norm = Norm(cfg.d_model)
         self.w_12 = nn.Linear(cfg.d_model, 2 * cfg.ffn_dim, bias=False)
         self.w_3 = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
         self.eps = cfg.norm_eps
@@ -316,7 +315,7 @@ class LaplaceVllmBackbone(nn.Module):
         # prefixes must hold exactly one integer (the layer index)
         self.layers = nn.ModuleList(LaplaceVllmBlock(cfg, prefix=f"layers.{i}")
                                     for i in range(cfg.num_layers))
-        self.final_norm = _Norm(cfg.d_model)
+        self.final_norm = Norm(cfg.d_model)
 
     def forward(self, input_ids: Optional[torch.Tensor], positions: torch.Tensor,
                 inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:

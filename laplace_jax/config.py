@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from laplace_jax.choices import (DataSource, DenseOutput, Dtype, GradSync, HandOff, KernelImpl, MuonComm,
+                                MuonScale, Platform, Remat, check_choice, is_choice)
 from laplace_jax.spec import Arch, ConfigError
 
 # The shipped YAMLs live in the top-level configs/ folder; a wheel installs them as the package data
@@ -34,17 +36,17 @@ class Execution:
     """How the architecture runs: dtypes, kernels and memory. Never part of a checkpoint's identity
     (resume compares `model` only); resolved once per entry point by `resolve_execution`."""
 
-    compute_dtype: str = "bfloat16"  # activations/matmul inputs; parameters stay float32
-    dense_output: str = "compute"    # hidden projections' output dtype: compute (f32 accumulate,
+    compute_dtype: Dtype = "bfloat16"  # activations/matmul inputs; parameters stay float32
+    dense_output: DenseOutput = "compute"    # hidden projections' output dtype: compute (f32 accumulate,
                                      # written in compute_dtype, as bf16 autocast) | float32; logits stay f32
     scan_layers: bool = True         # scan over the [L, ...] stacked layer weights (false: a Python loop)
-    remat: str = "none"              # none | full | dots | dots_no_batch | dots_gla | dots_acts (model.py)
-    gla_hand_off: str = "scan"       # chunk-to-chunk state: scan (lax.scan) | matmul (one contraction)
+    remat: Remat = "none"              # none | full | dots | dots_no_batch | dots_gla | dots_acts (model.py)
+    gla_hand_off: HandOff = "scan"       # chunk-to-chunk state: scan (lax.scan) | matmul (one contraction)
     gla_unroll: bool = False         # unroll the GLA chunk loop completely (Neuron mode sets it)
-    gla_impl: str = "auto"           # chunked GLA: auto | xla | pallas (GPU kernels, ops/gla_pallas.py). auto:
+    gla_impl: KernelImpl = "auto"           # chunked GLA: auto | xla | pallas (GPU kernels, ops/gla_pallas.py). auto:
                                      # pallas on GPUs inside per-device code (grad_sync=step), xla elsewhere:
                                      # the kernels have no GSPMD partitioning rule
-    mix_impl: str = "auto"           # gated mix after the GLA: auto | xla | pallas (ops/mix_pallas.py); auto as gla_impl
+    mix_impl: KernelImpl = "auto"           # gated mix after the GLA: auto | xla | pallas (ops/mix_pallas.py); auto as gla_impl
 
 
 @dataclass(frozen=True)
@@ -75,14 +77,14 @@ class OptimConfig:
     muon_nesterov: bool = True
     ns_steps: int = 5
     muon_eps: float = 1e-7
-    muon_scale: str = "moonlight"    # moonlight: 0.2*sqrt(max(m,n)) | spectral: sqrt(max(1, rows/cols))
-    muon_comm: str = "all_to_all"    # all_to_all | gather (the article's baseline); one FSDP rank: no collective
-    muon_comm_dtype: str = "bfloat16"
+    muon_scale: MuonScale = "moonlight"    # moonlight: 0.2*sqrt(max(m,n)) | spectral: sqrt(max(1, rows/cols))
+    muon_comm: MuonComm = "all_to_all"    # all_to_all | gather (the article's baseline); one FSDP rank: no collective
+    muon_comm_dtype: Dtype = "bfloat16"
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "text"             # text: token shards (path) | mqar: synthetic recall (data/mqar.py)
+    source: DataSource = "text"             # text: token shards (path) | mqar: synthetic recall (data/mqar.py)
     path: str = ""                   # prepared shard folder; empty = the built-in demo corpus
     val_fraction: float = 0.02
     shuffle_seed: int = 0            # text: shuffle seed; mqar: generator seed
@@ -113,7 +115,7 @@ class TrainConfig:
     keep_ckpts: int = 3
     async_ckpt: bool = True
     peak_flops: float = 0.0          # per device, for MFU; 0 = guess from the platform
-    grad_sync: str = "step"          # step: gather weights / reduce-scatter grads once per step |
+    grad_sync: GradSync = "step"          # step: gather weights / reduce-scatter grads once per step |
                                      # micro: per micro-step (plain SPMD); laplace_jax/grad_accum.py
 
 
@@ -125,7 +127,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    platform: str = "auto"           # auto | cpu | gpu | neuron
+    platform: Platform = "auto"           # auto | cpu | gpu | neuron
     neuron_mode: bool = False        # Neuron graph constraints on any platform (on with platform=neuron)
     decode_widths: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # fixed decode batch widths (compiled once each)
     name: str = "laplace"
@@ -136,8 +138,6 @@ class Config:
 
 
 PALLAS_IMPL_KEYS = ("gla_impl", "mix_impl")   # execution keys choosing between XLA and Pallas GPU kernels
-_REMAT = ("none", "full", "dots", "dots_no_batch", "dots_gla", "dots_acts")
-_DTYPES = ("float32", "bfloat16", "float16")
 EXECUTION_KEYS = tuple(f.name for f in dataclasses.fields(Execution))
 
 
@@ -152,34 +152,21 @@ def validate(cfg: Config) -> Config:
     sections = [("", cfg)] + [(f"{f.name}.", getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
                               if dataclasses.is_dataclass(getattr(cfg, f.name))]
     for prefix, section in sections:
-        for f in dataclasses.fields(section):  # every float setting is a finite number (no inf, no nan)
+        hints = _hints(type(section))
+        for f in dataclasses.fields(section):
             v = getattr(section, f.name)
-            if isinstance(v, float):
+            if isinstance(v, float):   # every float setting is a finite number (no inf, no nan)
                 _check(math.isfinite(v), f"{prefix}{f.name}={v}: must be a finite number")
+            if is_choice(hints[f.name]):   # every string choice is one of its Literal's values
+                check_choice(f"{prefix}{f.name}", v, hints[f.name], ConfigError)
     m, e = cfg.model, cfg.execution
-    _check(e.remat in _REMAT, f"execution.remat={e.remat!r}: choose one of {_REMAT}")
-    _check(e.gla_hand_off in ("scan", "matmul"),
-           f"execution.gla_hand_off={e.gla_hand_off!r}: choose 'scan' or 'matmul'")
-    for key in PALLAS_IMPL_KEYS:
-        _check(getattr(e, key) in ("auto", "xla", "pallas"),
-               f"execution.{key}={getattr(e, key)!r}: choose 'auto', 'xla' or 'pallas'")
-    _check(e.dense_output in ("compute", "float32"),
-           f"execution.dense_output={e.dense_output!r}: choose 'compute' or 'float32'")
-    _check(e.compute_dtype in _DTYPES, f"execution.compute_dtype={e.compute_dtype!r}: choose one of {_DTYPES}")
     o = cfg.optim
     _check(o.lr > 0, f"optim.lr={o.lr}: must be positive")
     _check(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
     _check(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be >= 0")
     _check(o.total_steps > 0, f"optim.total_steps={o.total_steps}: must be positive")
     _check(o.ns_steps > 0, f"optim.ns_steps={o.ns_steps}: must be positive")
-    _check(o.muon_scale in ("moonlight", "spectral"),
-           f"optim.muon_scale={o.muon_scale!r}: choose 'moonlight' or 'spectral'")
-    _check(o.muon_comm in ("all_to_all", "gather"),
-           f"optim.muon_comm={o.muon_comm!r}: choose 'all_to_all' or 'gather'")
-    _check(o.muon_comm_dtype in _DTYPES,
-           f"optim.muon_comm_dtype={o.muon_comm_dtype!r}: choose one of {_DTYPES}")
     t = cfg.train
-    _check(t.grad_sync in ("step", "micro"), f"train.grad_sync={t.grad_sync!r}: choose 'step' or 'micro'")
     for key in PALLAS_IMPL_KEYS:
         _check(not (getattr(e, key) == "pallas" and t.grad_sync == "micro"),
                f"execution.{key}=pallas with train.grad_sync=micro: Pallas kernels have no GSPMD partitioning "
@@ -194,7 +181,6 @@ def validate(cfg: Config) -> Config:
     _check(cfg.mesh.fsdp == -1 or cfg.mesh.fsdp > 0, f"mesh.fsdp={cfg.mesh.fsdp}: must be positive or -1 (all devices)")
     _check(0 <= cfg.data.val_fraction < 1, f"data.val_fraction={cfg.data.val_fraction}: must be in [0, 1)")
     d = cfg.data
-    _check(d.source in ("text", "mqar"), f"data.source={d.source!r}: choose 'text' or 'mqar'")
     if d.source == "mqar":
         for name in ("mqar_pairs", "mqar_keys", "mqar_values", "mqar_power_a"):
             _check(getattr(d, name) > 0, f"data.{name}={getattr(d, name)}: must be positive")
@@ -207,8 +193,6 @@ def validate(cfg: Config) -> Config:
         _check(4 * d.mqar_pairs <= m.seq_len,
                f"data.mqar_pairs={d.mqar_pairs} needs model.seq_len >= 4*pairs = {4 * d.mqar_pairs} "
                f"(the pairs, then as many query slots): lower mqar_pairs or raise seq_len")
-    _check(cfg.platform in ("auto", "cpu", "gpu", "neuron"),
-           f"platform={cfg.platform!r}: choose one of auto, cpu, gpu, neuron")
     _check(len(cfg.decode_widths) > 0 and all(w > 0 for w in cfg.decode_widths)
            and list(cfg.decode_widths) == sorted(set(cfg.decode_widths)),
            f"decode_widths={list(cfg.decode_widths)}: must be positive, strictly increasing")
@@ -261,7 +245,7 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
                 raise ConfigError(f"{key}={value!r}: expected an integer")
             return int(value)
         return float(value)
-    if typ is str:
+    if typ is str or is_choice(typ):   # a choice stays a plain string; validate checks its value
         return str(value)
     return value
 

@@ -181,10 +181,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     gen = Generator(jax.tree.map(jnp.asarray, params), cfg.net, cfg.decode_widths,
                     Sampling(args.temperature, args.top_k, args.seed))
-    outs = gen.generate(prompts, args.max_new_tokens, None if args.ignore_eos else tok.eos_id)
+    stop = None if args.ignore_eos else tok.eos_id
+    outs = gen.generate(prompts, args.max_new_tokens, stop)
     for text, ids, out in zip(args.prompt, prompts, outs):
         print(f"--- step {step} | prompt: {text!r}")
-        print(text + tok.decode(out))
+        # a sequence that stopped ends with the stop token: not text (vLLM and transformers' decode leave it
+        # out too); --ids lists it
+        print(text + tok.decode(out[:-1] if stop is not None and out and out[-1] == stop else out))
         if args.ids:
             print(f"prompt ids: {ids}\nnew ids: {out}")
     return 0

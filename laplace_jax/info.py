@@ -97,17 +97,28 @@ def _our_traffic(muon: list[tuple[Any, Any]], ranks: int, cfg: Config) -> float:
 
 
 def _fmt_b(n: float) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+    """Bytes in the unit that fits them: 10.87 GB, 29.5 MB, 20.5 kB."""
+    if n >= 1e8:
+        return f"{n / 1e9:.2f} GB"
+    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
+
+
+def _fmt_count(n: int) -> str:
+    """A parameter count in the unit that fits it: 3.028 B, 309.6 M, 327.7 k."""
+    for unit, scale, digits in (("B", 1e9, 3), ("M", 1e6, 1), ("k", 1e3, 1)):
+        if n >= scale:
+            return f"{n / scale:.{digits}f} {unit}"
+    return str(n)
 
 
 def format_report(r: dict[str, Any]) -> str:
     lines = [
         f"config: {r['config']}",
-        f"parameters: {r['params_total']:,} ({r['params_total'] / 1e9:.3f} B)",
-        f"  Muon  : {r['params_muon']:,} ({r['params_muon'] / 1e9:.3f} B) in {r['muon_matrices']} matrices "
+        f"parameters: {r['params_total']:,} ({_fmt_count(r['params_total'])})",
+        f"  Muon  : {r['params_muon']:,} ({_fmt_count(r['params_muon'])}) in {r['muon_matrices']} matrices "
         f"of shapes {', '.join(r['muon_matrix_shapes'])}",
-        f"  AdamW : {r['params_adamw']:,} ({r['params_adamw'] / 1e6:.1f} M)",
-        f"recurrent state per sequence: {r['state_bytes_per_seq']:,} B ({r['state_bytes_per_seq'] / 1e6:.1f} MB)"
+        f"  AdamW : {r['params_adamw']:,} ({_fmt_count(r['params_adamw'])})",
+        f"recurrent state per sequence: {r['state_bytes_per_seq']:,} B ({_fmt_b(r['state_bytes_per_seq'])})"
         f" = " + " + ".join(f"{k} {v:,}" for k, v in r["state_breakdown"].items()) + " (float32)",
         f"softmax-transformer KV cache at {KV_CONTEXT:,} tokens (bf16): {_fmt_b(r['kv_cache_bytes_8192'])}"
         f" -> {r['kv_ratio_8192']:.1f}x the Laplace state",

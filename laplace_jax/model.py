@@ -21,6 +21,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from laplace_jax import spec
+from laplace_jax.choices import Remat
 from laplace_jax.config import Net
 from laplace_jax.ops.gla import chunk_simple_gla, simple_gla_step
 from laplace_jax.ops.glu import swiglu
@@ -51,7 +52,7 @@ def _saving(policy, *names: str):
         policy, jax.checkpoint_policies.save_only_these_names(*names))
 
 
-_REMAT_POLICIES = {
+_REMAT_POLICIES: dict[Remat, object] = {   # every choice of choices.Remat but "none" (tests/test_config.py)
     "full": None,
     "dots": _saving(jax.checkpoint_policies.checkpoint_dots, *_DENSE_OUT),
     "dots_no_batch": _saving(jax.checkpoint_policies.dots_with_no_batch_dims_saveable, *_DENSE_OUT),

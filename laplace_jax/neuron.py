@@ -11,7 +11,7 @@
 
 What remains as while loops (static trip counts, which jax-neuronx accepts): the layer scan when
 `execution.scan_layers: true`, and Muon's Newton-Schulz `lax.map` over each weight kind's stacked
-matrices (tests/test_neuron.py pins both down, counting in the HLO text with tests/hlo_checks.py).
+matrices (tests/jax/test_neuron.py pins both down, counting in the HLO text with tests/jax/hlo_checks.py).
 """
 from __future__ import annotations
 

@@ -415,6 +415,10 @@ def _announce_and_compile(run: Run) -> tuple[Callable, Callable]:
              f"mesh {dict(mesh.shape)}, {jax.process_count()} process(es) | {L.seqs_per_step * L.seq_len:,} "
              f"tokens/step = {L.accum} x {L.micro} x {L.seq_len} | data {run.data}")
     log.note(str(prog.report))
+    n_eval = run.cfg.train.eval_batches
+    log.note(f"held-out loss: every {run.cfg.train.eval_every} steps and at the end, the mean over the first "
+             f"{n_eval} batches ({L.micro} x {L.seq_len} tokens each) of the held-out split (train.eval_batches; "
+             f"python -m laplace_jax.eval scores the whole split)")
     if run.resumed:
         log.note(f"resumed from step {run.start} ({run.run_dir / 'checkpoints' / str(run.start)}) "
                  f"in {run.t_restore:.1f} s")
@@ -462,7 +466,8 @@ def run_loop(run: Run) -> dict[str, Any]:
             save_due = step % cfg.train.ckpt_every == 0 or step == run.total or stop.signal is not None
             if problem is None and (step % cfg.train.eval_every == 0 or step == run.total):
                 rec["eval_loss"] = run.evaluate(run.params)
-                log.note(f"step {step}: train loss {loss:.4f}, held-out loss {rec['eval_loss']:.4f}")
+                log.note(f"step {step}: train loss {loss:.4f}, held-out loss {rec['eval_loss']:.4f} "
+                         f"({cfg.train.eval_batches} batches)")
                 if save_due and not math.isfinite(rec["eval_loss"]):
                     problem = (f"non-finite held-out loss at step {step} (after its update; eval_loss="
                                f"{rec['eval_loss']}, loss={loss}, grad_norm={gnorm}); the step {step} checkpoint "

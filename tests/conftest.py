@@ -41,6 +41,8 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+from laplace_jax.numerics import U_FLOAT32, sum_error  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"   # scripts (`python benchmarks/x.py`); their helpers import as `import x`
 sys.path.insert(0, str(BENCHMARKS))
@@ -80,6 +82,22 @@ def import_interpreted(*modules: str) -> list:
     with triton_interpreting():
         need("triton")
         return [importlib.import_module(m) for m in modules]
+
+
+def interpreter_fixture(*kernels):
+    """An autouse fixture for a module of Triton kernel tests: checks that `kernels` (and triton's own
+    library) were decorated for the CPU interpreter (imported through `import_interpreted`), and sets
+    TRITON_INTERPRET=1 for the test's calls, with LAPLACE_VLLM_TRITON unset (the default: on).
+    Use as `interpret = interpreter_fixture(module._kernel, ...)` at module level."""
+    @pytest.fixture(autouse=True)
+    def interpret(monkeypatch):
+        from triton.runtime.interpreter import InterpretedFunction
+        import triton.language.standard as std
+        assert all(isinstance(k, InterpretedFunction) for k in (*kernels, std.sum)), \
+            "triton or export's Triton kernels were imported before TRITON_INTERPRET=1 was set (conftest, this module)"
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.delenv("LAPLACE_VLLM_TRITON", raising=False)
+    return interpret
 
 
 @contextlib.contextmanager
@@ -139,17 +157,15 @@ def write_run(run_dir, params, model_cfg, steps):
 # program), and with it the order of every float32 sum. So a float comparison here is either exact
 # (both sides run the same float operations on the same inputs) or bounded by float32 rounding
 # derived from the arithmetic below, never by a margin read off one machine's output.
-U32 = 2.0 ** -24   # float32 unit roundoff u: fl(a op b) = (a op b)(1 + δ), |δ| <= u
-LAMBDA = 6.0       # the bound below fails with probability < 2n·exp(-λ²/2) = 4e-6 for n = 128
+U32 = U_FLOAT32     # float32 unit roundoff u: fl(a op b) = (a op b)(1 + δ), |δ| <= u
 
 
 def f32_sum_err(n: int, magnitude) -> float:
     """Rounding error of one float32 sum or dot product of n terms, summed in any order, whose
-    absolute values add up to at most `magnitude`: λ·√n·u·Σ|terms| (Higham & Mary, "A new approach
-    to probabilistic rounding error analysis", SIAM J. Sci. Comput. 41(5), 2019). The worst case,
-    n·u·Σ|terms|, needs every rounding to go the same way. Two evaluations of one sum in different
-    orders differ by up to twice this."""
-    return LAMBDA * n ** 0.5 * U32 * magnitude
+    absolute values add up to at most `magnitude`: λ·√n·u·Σ|terms| (`laplace_jax.numerics.sum_error`,
+    Higham & Mary's probabilistic bound; λ = 6 fails with probability < 4e-6 for n = 128). Two
+    evaluations of one sum in different orders differ by up to twice this."""
+    return sum_error(n, magnitude)
 
 
 def logit_atol(params) -> float:

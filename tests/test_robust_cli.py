@@ -3,10 +3,12 @@ the fix, exit status 2, and touches nothing (issue 18's sweep). In-process: no t
 stops before any computation (about 0.1-1 s each)."""
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import ROOT, cli_env
 from export.__main__ import main as export_main
 from laplace_jax.data.prepare import main as prepare_main
 from laplace_jax.generate import main as generate_main
@@ -94,3 +96,26 @@ def test_bad_input_is_one_line_and_exit_2(cmd, argv, says, tmp_path, read_only, 
     assert _snapshot(tmp_path) == before
     if read_only is not None:
         assert os.listdir(read_only) == []
+
+
+# `python -m export` where torch cannot be imported, as after `make train` (no serve extra): a meta-path
+# finder in front of every other answers any import of torch as an absent module does
+WITHOUT_TORCH = """
+import importlib.abc, runpy, sys
+class NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "torch":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NoTorch())
+runpy.run_module("export", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_export_without_torch_is_one_line_naming_the_install_step(tmp_path):
+    p = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, "--checkpoint", str(tmp_path / "run"),
+                        "--out", str(tmp_path / "out")], cwd=ROOT, env=cli_env(), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.count("\n") == 1 and p.stderr.startswith("error: ") and p.stdout == "", p.stderr
+    assert "no module named 'torch'" in p.stderr and "make install-serve" in p.stderr, p.stderr
+    assert list(tmp_path.iterdir()) == []

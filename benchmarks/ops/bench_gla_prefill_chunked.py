@@ -1,5 +1,5 @@
 """The chunk-parallel GLA prefill (export/ops/gla_prefill_chunked.py) against the serial kernel
-(export/gla_prefill_triton.py) at the 3B head shape, one layer, bf16 q, k, v, float32 o (what the
+(export/ops/gla_prefill.py) at the 3B head shape, one layer, bf16 q, k, v, float32 o (what the
 vLLM mixer runs):
 
 - check: each path on a lone 2,048- and 8,192-token request against the float64 step recurrence
@@ -16,8 +16,11 @@ import sys
 
 import torch
 
-from export import gla_prefill_triton as gpt
+from bench_kernels import time_ms   # benchmarks/ops/, this script's folder
+from export import checks
 from export.ops import gla_prefill_chunked as chunked
+from export.ops.gla_prefill import CHUNK, gla_prefill_inplace
+from export.reference import split_heads
 from laplace_jax.config import load_config
 
 SHAPES = ((1, 512), (1, 2048), (1, 8192), (2, 2048), (4, 2048), (8, 2048), (8, 8192 // 8))
@@ -34,9 +37,10 @@ def check(device: str, H: int, K: int, V: int, lengths=(2048, 8192)) -> list:
     rows = []
     for length in lengths:
         for path in ("serial", "chunked"):
-            e = gpt.prefill_errors(device, lengths=(length,), H=H, K=K, V=V, dtype=torch.bfloat16,
-                                   num_slots=4, path=path)
-            rows.append((path, length, e["o"], e["state"], gpt.within_tolerance(e, "bf16", torch.float32, gpt.CHUNK, K)))
+            e = checks.prefill_errors(device, lengths=(length,), H=H, K=K, V=V, dtype=torch.bfloat16,
+                                      num_slots=4, path=path)
+            ok = checks.within_tolerance(e, "bf16", torch.float32, CHUNK, K)
+            rows.append((path, length, e["o"], e["state"], ok))
     return rows
 
 
@@ -51,12 +55,11 @@ def time_paths(H: int, K: int, V: int, shapes=SHAPES) -> list:
         keep = torch.ones(R, dtype=torch.bool, device="cuda")
         cu = torch.arange(0, T + 1, L, device="cuda", dtype=torch.int32)
         proj = torch.randn(T, H * (2 * K + 2 * V), generator=g).to("cuda", torch.bfloat16)
-        from export.torch_model import split_heads
         q, k, v, _ = split_heads(proj, H, K, V)
-        gamma = gpt.check_gamma(H, "cuda")
-        ms = {p: gpt._time_ms(lambda p=p: gpt.gla_prefill_inplace(pool, slots, keep, q, k, v, gamma, cu, path=p))
+        g_gamma = checks.check_g_gamma(H, "cuda")
+        ms = {p: time_ms(lambda p=p: gla_prefill_inplace(pool, slots, keep, q, k, v, g_gamma, cu, path=p))
               for p in ("serial", "chunked")}
-        rule = chunked.prefill_path(R, T, H, K, V, gpt.CHUNK, chunked.sm_count(q.device))
+        rule = chunked.prefill_path(R, T, H, K, V, CHUNK, chunked.sm_count(q.device))
         rows.append((R, L, ms["serial"], ms["chunked"], rule))
     return rows
 
@@ -65,8 +68,8 @@ def main(device: str) -> int:
     H, K, V = arch_3b() if device == "cuda" else (2, 96, 192)
     lengths = (2048, 8192) if device == "cuda" else (150,)
     results = check(device, H, K, V, lengths)
-    print(f"GLA prefill at H={H} K={K} V={V}, bf16 inputs, chunk {gpt.CHUNK}, "
-          f"bound {gpt.tolerance('bf16') + gpt.output_rounding(torch.float32):.1e}")
+    print(f"GLA prefill at H={H} K={K} V={V}, bf16 inputs, chunk {CHUNK}, "
+          f"bound {checks.prefill_tolerance('bf16') + checks.output_rounding(torch.float32):.1e}")
     print("| path | tokens | rel err o | rel err state | check |\n|---|---|---|---|---|")
     for path, length, eo, es, ok in results:
         print(f"| {path} | {length:,} | {eo:.2e} | {es:.2e} | {'ok' if ok else 'FAIL'} |")

@@ -1,6 +1,6 @@
 """Chunk-parallel Triton prefill for Simple GLA: one long prompt fills the GPU.
 
-The serial prefill kernel (export/gla_prefill_triton.py) runs one program per (request, head,
+The serial prefill kernel (export/ops/gla_prefill.py) runs one program per (request, head,
 value block) and walks the request's chunks in order: one 2,048-token request at the 3B shape is
 16 × 3 = 48 programs on 132 SMs, each doing 32 chunk steps in series.  Here the same math is split
 in three launches (R requests packed back to back by cu_seqlens as there; chunk c of request r holds
@@ -17,10 +17,10 @@ rows t0 = cu[r] + j·BT ... with n ≤ BT real tokens; exponents ≤ 0):
  3. `_chunk_out_kernel`, grid (chunk, head, value block):
         o = ((q k^T) ⊙ [i >= j] e^{γ(i-j)}) v + e^{γ(i+1)} (q S_c)          (times K^-0.5)
 
-Every product and sum is the serial kernel's, in the same order and precision (its `_chunk_state`
-and `_chunk_output`, the modes of `_modes`): U_c is the float32 product the serial kernel adds to its state, so
-the two paths agree to the last bit where the products do (the CPU interpreter), and
-`gla_prefill_triton.tolerance` bounds both against float64.
+Every product and sum is the serial kernel's, in the same order and precision (both call the
+`_chunk_state` and `_chunk_output` of export/ops/gla_chunk_math.py, with its `_modes`): U_c is the
+float32 product the serial kernel adds to its state, so the two paths agree to the last bit where the products do (the CPU interpreter), and
+`export.checks.prefill_tolerance` bounds both against float64.
 
 Chunks are numbered request after request (request r's first chunk is Σ_{i<r} ceil(len_i / BT));
 the host sizes the grid by the bound T // BT + R (no device sync; the lengths stay on the device),
@@ -34,14 +34,13 @@ Compile variants: one per kernel for a model and dtype (constexprs: shapes, chun
 `do_not_specialize`: R = 1 would be its own binary; index arrays not alignment-specialized).
 """
 import functools
-import os
 from typing import Optional
 
 import torch
 
-from export.gla_prefill_triton import (_chunk_decays, _chunk_output, _chunk_state, _head_rows, _modes,  # noqa: F401
-                                      triton, tl)   # one Triton switch
+from export.ops.gla_chunk_math import _chunk_decays, _chunk_output, _chunk_state, _head_rows, _modes
 from export.ops.launch_keys import Launch, run
+from export.ops.triton_switch import interpreting, tl, triton
 
 # The serial kernel's tile (its BLOCK_V / CHUNK / NUM_WARPS measurements apply to the same tiles here)
 BLOCK_V = 64
@@ -86,7 +85,7 @@ if triton is not None:
     _IDX = ["cu_ptr", "slots_ptr", "keep_ptr"]    # read once per program: alignment is no variant
 
     @triton.jit(do_not_specialize=["R"], do_not_specialize_on_alignment=_IDX)
-    def _chunk_local_kernel(k_ptr, v_ptr, buf_ptr, cu_ptr, gamma_ptr, R,
+    def _chunk_local_kernel(k_ptr, v_ptr, buf_ptr, cu_ptr, g_gamma_ptr, R,
                             sk_t, sk_h, sv_t, sv_h, sb_c, sb_h, sb_k,
                             K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                             BT: tl.constexpr, MODE: tl.constexpr, EMULATE: tl.constexpr):
@@ -94,7 +93,7 @@ if triton is not None:
         h = tl.program_id(1).to(tl.int64)
         vb = tl.program_id(2)
         t0, eos = _chunk_span(c, cu_ptr, R, BT)
-        g = tl.load(gamma_ptr + h).to(tl.float32)
+        g = tl.load(g_gamma_ptr + h).to(tl.float32)
         rk = tl.arange(0, BK)
         rv = vb * BV + tl.arange(0, BV)
         rt = tl.arange(0, BT)
@@ -109,7 +108,7 @@ if triton is not None:
         tl.store(ptrs, u, mask=mk[:, None] & mv[None, :] & (t0 < eos))
 
     @triton.jit(do_not_specialize=["R"], do_not_specialize_on_alignment=_IDX)
-    def _chunk_pass_kernel(u_ptr, s_ptr, pool_ptr, slots_ptr, keep_ptr, cu_ptr, gamma_ptr, R,
+    def _chunk_pass_kernel(u_ptr, s_ptr, pool_ptr, slots_ptr, keep_ptr, cu_ptr, g_gamma_ptr, R,
                            sb_c, sb_h, sp_slot, sp_h, sp_k, sp_v,
                            K: tl.constexpr, V: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr):
         # elementwise in the state: program (r, h, e) walks BE of head h's K·V entries through
@@ -125,7 +124,7 @@ if triton is not None:
             first += (tl.load(cu_ptr + i + 1) - tl.load(cu_ptr + i) + BT - 1) // BT
         slot = tl.load(slots_ptr + r).to(tl.int64)
         keep = tl.load(keep_ptr + r)
-        g = tl.load(gamma_ptr + h).to(tl.float32)
+        g = tl.load(g_gamma_ptr + h).to(tl.float32)
         s_pool = pool_ptr + slot * sp_slot + h * sp_h + (e // V) * sp_k + (e % V) * sp_v
         s = tl.load(s_pool, mask=m, other=0.0)
         s = tl.where(keep != 0, s, 0.0)        # a select: a reused page may hold NaN
@@ -146,7 +145,7 @@ if triton is not None:
         tl.store(s_pool, s, mask=m)
 
     @triton.jit(do_not_specialize=["R"], do_not_specialize_on_alignment=_IDX)
-    def _chunk_out_kernel(q_ptr, k_ptr, v_ptr, o_ptr, buf_ptr, cu_ptr, gamma_ptr, R,
+    def _chunk_out_kernel(q_ptr, k_ptr, v_ptr, o_ptr, buf_ptr, cu_ptr, g_gamma_ptr, R,
                           sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sb_c, sb_h, sb_k,
                           scale,
                           K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -156,7 +155,7 @@ if triton is not None:
         h = tl.program_id(1).to(tl.int64)
         vb = tl.program_id(2)
         t0, eos = _chunk_span(c, cu_ptr, R, BT)
-        g = tl.load(gamma_ptr + h).to(tl.float32)
+        g = tl.load(g_gamma_ptr + h).to(tl.float32)
         rk = tl.arange(0, BK)
         rv = vb * BV + tl.arange(0, BV)
         rt = tl.arange(0, BT)
@@ -209,14 +208,14 @@ def prefill_path(R: int, T: int, H: int, K: int, V: int, chunk: int, n_sm: int,
 
 
 def gla_prefill_chunked(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor, q: torch.Tensor,
-                        k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor, cu_seqlens: torch.Tensor,
+                        k: torch.Tensor, v: torch.Tensor, g_gamma: torch.Tensor, cu_seqlens: torch.Tensor,
                         o: torch.Tensor, chunk: int, precision: Optional[str] = None,
                         block_v: int = BLOCK_V, num_warps: int = NUM_WARPS,
                         num_stages: Optional[int] = None) -> torch.Tensor:
-    """`gla_prefill_triton.gla_prefill_inplace`'s math by the three chunk-parallel launches, into o.
+    """`gla_prefill.gla_prefill_inplace`'s math by the three chunk-parallel launches, into o.
 
     Arguments as there (already checked by it): pool [num_slots, H, K, V] float32 (updated at the
-    R slots), slots [R], keep [R] bool, q, k [T, H, K], v [T, H, V] (last-dim stride 1), gamma [H]
+    R slots), slots [R], keep [R] bool, q, k [T, H, K], v [T, H, V] (last-dim stride 1), g_gamma [H]
     float32 contiguous, cu_seqlens [R + 1] contiguous, o [T, H, V] (float32 or q's dtype).
     Returns o (rows outside every request untouched)."""
     T, H, K = q.shape
@@ -229,21 +228,21 @@ def gla_prefill_chunked(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Ten
     n_chunks = chunk_buffer_rows(R, T, chunk)
     u_buf = torch.empty((n_chunks, H, K, V), device=q.device, dtype=torch.float32)
     s_buf = torch.empty_like(u_buf)
-    emulate = os.environ.get("TRITON_INTERPRET") == "1"
+    emulate = interpreting()
     stages = num_stages or {torch.float32: 1, torch.bfloat16: 3}.get(q.dtype, 2)
     keep8 = keep.to(torch.int8).contiguous()
     slots = slots.to(torch.long).contiguous()
     strides_b = (u_buf.stride(0), u_buf.stride(1), u_buf.stride(2))
     run(Launch(_chunk_local_kernel, (n_chunks, H, n_vb),
-               (k, v, u_buf, cu_seqlens, gamma, R, k.stride(0), k.stride(1), v.stride(0), v.stride(1), *strides_b),
+               (k, v, u_buf, cu_seqlens, g_gamma, R, k.stride(0), k.stride(1), v.stride(0), v.stride(1), *strides_b),
                dict(K=K, V=V, BK=BK, BV=BV, BT=chunk, MODE=mode, EMULATE=emulate,
                     num_warps=num_warps, num_stages=stages)))
     run(Launch(_chunk_pass_kernel, (R, H, triton.cdiv(K * V, PASS_BLOCK)),
-               (u_buf, s_buf, pool, slots, keep8, cu_seqlens, gamma, R, u_buf.stride(0), u_buf.stride(1),
+               (u_buf, s_buf, pool, slots, keep8, cu_seqlens, g_gamma, R, u_buf.stride(0), u_buf.stride(1),
                 pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3)),
                dict(K=K, V=V, BE=PASS_BLOCK, BT=chunk, num_warps=PASS_WARPS, num_stages=PASS_STAGES)))
     run(Launch(_chunk_out_kernel, (n_chunks, H, n_vb),
-               (q, k, v, o, s_buf, cu_seqlens, gamma, R, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+               (q, k, v, o, s_buf, cu_seqlens, g_gamma, R, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                 v.stride(0), v.stride(1), o.stride(0), o.stride(1), *strides_b, float(K) ** -0.5),
                dict(K=K, V=V, BK=BK, BV=BV, BT=chunk, QK_MODE=qk_mode, MODE=mode, EMULATE=emulate,
                     num_warps=num_warps, num_stages=stages)))

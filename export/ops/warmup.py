@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from export import gla_prefill_triton, gla_triton
+from export.ops import gla_prefill, triton_switch
 
 # under vLLM's logger, whose handler prints to the server log
 log = logging.getLogger("vllm.laplace.warmup")
@@ -62,7 +62,7 @@ def warm_up(mixer, conv_pool: torch.Tensor, gla_pool: torch.Tensor) -> None:
     dev = gla_pool.device
     dtype = mixer.w_qkvg.weight.dtype          # the activations' dtype in vLLM
     D = mixer.cfg.d_model
-    T = 2 * gla_prefill_triton.CHUNK + 1       # two chunks and a partial one
+    T = 2 * gla_prefill.CHUNK + 1       # two chunks and a partial one
     xn = torch.zeros(T + 1, D, device=dev, dtype=dtype)
     residual = torch.zeros(T + 1, D, device=dev, dtype=dtype)
     # the index arrays in the dtypes the mixer passes (vLLM's int32 query_start_loc; .long() slots)
@@ -72,7 +72,7 @@ def warm_up(mixer, conv_pool: torch.Tensor, gla_pool: torch.Tensor) -> None:
     mixer._decode_fast(xn[:1], conv_pool, gla_pool, slot, keep, residual[:1])
     for off in (0, 1):                          # x = xn[t0:] at both alignments of row t0
         for path in ("serial", "chunked"):
-            with gla_prefill_triton.forced_path(path):
+            with gla_prefill.forced_path(path):
                 mixer._prefill_packed(xn[off:off + T], conv_pool, gla_pool, slot, keep, cu,
                                       residual[off:off + T])
 
@@ -82,7 +82,7 @@ def on_bind(mixer) -> None:
     not switched off); nothing on CPU, for empty placeholders, or inside a CUDA-graph capture
     (the launches would be recorded into the graph)."""
     pools = pools_of(mixer.kv_cache)
-    if pools is None or not gla_triton.available(pools[1]):
+    if pools is None or not triton_switch.available(pools[1]):
         return
     if pools[1].is_cuda and torch.cuda.is_current_stream_capturing():
         return

@@ -147,6 +147,14 @@ def write_outputs(results: dict, out_dir: Path) -> list[Path]:
     return files
 
 
+def heldout_batches_line(h: dict) -> str:
+    """Which windows the held-out loss averaged, and how that differs from the trainer's eval_loss."""
+    used = h["batches"] * h["batch_size"]
+    return (f"batches: {h['batches']} of {h['batch_size']} x {h['seq_len']} tokens = the first {used:,} of the split's "
+            f"{h['split_windows']:,} windows; the trainer's eval_loss averages its first {h['trainer_batches']} "
+            f"batches (train.eval_batches; --heldout-batches {h['trainer_batches']} gives that number)")
+
+
 def summary_lines(results: dict) -> list[str]:
     t = results["tasks"]
     lines = [f"{results['checkpoint']} step {results['step']}"]
@@ -154,6 +162,7 @@ def summary_lines(results: dict) -> list[str]:
         h = t["held-out"]
         lines.append(f"held-out: loss {h['loss']:.4f}, perplexity {h['perplexity']:.2f}, "
                      f"{h['bits_per_byte']:.4f} bits/byte over {h['tokens']:,} tokens ({h['bytes']:,} bytes)")
+        lines.append("  " + heldout_batches_line(h))
     if "length" in t:
         r = t["length"]
         lines.append(f"length: mean loss {r['within_seq_len']:.4f} within seq_len {r['seq_len']}, "

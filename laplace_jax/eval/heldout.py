@@ -35,8 +35,8 @@ def run(ckpt: Checkpoint, data_dir: str | Path, tokenizer, num_batches: int = 0)
     """Evaluate `num_batches` eval batches (0: the whole split, at most MAX_TOKENS tokens) on one device."""
     cfg = ckpt.cfg
     micro, S = RunLayout.from_config(cfg, 1, 1).micro, cfg.model.seq_len
+    windows = TokenWindows(data_dir, "val", seq_len=S, vocab_size=cfg.model.vocab_size).num_windows
     if num_batches <= 0:
-        windows = TokenWindows(data_dir, "val", seq_len=S, vocab_size=cfg.model.vocab_size).num_windows
         num_batches = max(1, min(windows, MAX_TOKENS // S) // micro)
     batches = make_eval_batches(data_dir, seq_len=S, batch_size=micro, num_batches=num_batches,
                                 vocab_size=cfg.model.vocab_size)
@@ -48,4 +48,4 @@ def run(ckpt: Checkpoint, data_dir: str | Path, tokenizer, num_batches: int = 0)
     nbytes = text_bytes(tokenizer, np.concatenate([b["targets"].reshape(-1) for b in batches]))
     return {"loss": loss, "perplexity": math.exp(loss), "bits_per_byte": loss * tokens / math.log(2) / nbytes,
             "tokens": tokens, "bytes": nbytes, "batches": num_batches, "batch_size": micro, "seq_len": S,
-            "data": str(data_dir)}
+            "split_windows": windows, "trainer_batches": cfg.train.eval_batches, "data": str(data_dir)}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from laplace_jax.choices import HandOff, KernelImpl, check_choice
 from laplace_jax.ops.impl import kernel_impl
 from laplace_jax.ops.matmul import mixed_matmul as _mm
 
@@ -121,7 +122,7 @@ def _chunk_block(q: Array, k: Array, v: Array, g: Array, state: Array, scale: fl
 def chunk_simple_gla(q: Array, k: Array, v: Array, g_gamma: Array, *, num_chunks: int | None = None,
                      chunk_size: int | None = None, scale: float | None = None,
                      initial_state: Array | None = None, unroll: bool = False,
-                     hand_off: str = "scan", impl: str = "xla") -> tuple[Array, Array]:
+                     hand_off: HandOff = "scan", impl: KernelImpl = "xla") -> tuple[Array, Array]:
     """Chunked Simple GLA. Returns (o [B, T, H, V] in v's dtype, final_state [B, H, K, V] f32).
 
     Give `num_chunks` (T must divide; default 16 when neither is given) or `chunk_size` (any T: a
@@ -135,8 +136,7 @@ def chunk_simple_gla(q: Array, k: Array, v: Array, g_gamma: Array, *, num_chunks
     this XLA form elsewhere, e.g. for a prefill of arbitrary length; `impl="auto"` is "pallas" on
     GPUs and "xla" on every other backend (CPU, Neuron).
     """
-    if hand_off not in ("scan", "matmul"):
-        raise ValueError(f"chunk_simple_gla: hand_off={hand_off!r}: choose 'scan' or 'matmul'")
+    check_choice("chunk_simple_gla: hand_off", hand_off, HandOff)
     impl = kernel_impl("chunk_simple_gla", impl)
     B, T, H, K = q.shape
     if num_chunks is not None and chunk_size is not None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import jax
 
+from laplace_jax.choices import KernelImpl, check_choice
 
-def kernel_impl(caller: str, impl: str) -> str:
+
+def kernel_impl(caller: str, impl: KernelImpl) -> str:
     """'xla' | 'pallas' | 'auto' → 'xla' or 'pallas'; 'auto' is 'pallas' on GPUs and 'xla' on every
     other backend (CPU, Neuron)."""
-    if impl not in ("xla", "pallas", "auto"):
-        raise ValueError(f"{caller}: impl={impl!r}: choose 'xla', 'pallas' or 'auto'")
+    check_choice(f"{caller}: impl", impl, KernelImpl)
     if impl == "auto":
         return "pallas" if jax.default_backend() == "gpu" else "xla"
     return impl

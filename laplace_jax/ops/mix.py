@@ -14,6 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from laplace_jax.choices import KernelImpl
 from laplace_jax.ops.impl import kernel_impl
 
 Array = jax.Array
@@ -38,7 +39,7 @@ def gated_mix_xla(q: Array, k: Array, v: Array, g: Array, o: Array, aug_balance:
 
 
 def gated_mix(q: Array, k: Array, v: Array, g: Array, o: Array, aug_balance: Array, head_norm: Array,
-              eps: float, *, impl: str = "xla") -> Array:
+              eps: float, *, impl: KernelImpl = "xla") -> Array:
     """The gated mix (module doc). `impl="pallas"` runs `ops.mix_pallas` (one fused kernel each way;
     GPUs, interpreted on CPU) where the shape allows and this XLA form elsewhere (e.g. a decode step
     of a few tokens); `impl="auto"` is "pallas" on GPUs and "xla" on every other backend."""

@@ -1,0 +1,96 @@
+"""The Triton conv kernel (export/ops/conv.py: packed prefill and one-token decode) under Triton's CPU
+interpreter against torch `reference.conv_with_state` per request.  TRITON_INTERPRET=1 around the
+imports and for the calls, as tests/serve/test_gla_prefill.py says."""
+import pytest
+
+from conftest import U32, f32_sum_err, import_interpreted, interpreter_fixture, need  # noqa: E402
+
+torch = need("torch")
+
+(conv,) = import_interpreted("export.ops.conv")
+import torch.nn.functional as F  # noqa: E402
+from export.reference import conv_with_state  # noqa: E402
+
+interpret = interpreter_fixture(conv._conv_prefill_kernel)
+
+
+def _conv_case(lens, pad_rows=0, seed=11, **launch):
+    """The conv kernel on requests of `lens` tokens (all 1: conv_decode_inplace), `pad_rows` more
+    rows at the null slot 0 with keep False, against torch conv_with_state per request (float32;
+    requests shorter than the kernel take part of their window from the old one); NaN pages with
+    keep False must not leak; other slots and the bytes around the view stay as they were."""
+    g = torch.Generator().manual_seed(seed)
+    C, D, S = 4, 80, 12
+    R = len(lens)
+    raw = torch.randn(S, 5 + C * D + 3, generator=g)
+    pool = raw[:, 5:5 + C * D].unflatten(1, (C, D))
+    slots = torch.randperm(S - 1, generator=g)[:R] + 1
+    keep = torch.tensor([i % 3 != 1 for i in range(R)])
+    pool[slots[~keep]] = float("nan")
+    before = raw.clone()
+    w, b = torch.randn(D, 1, C, generator=g), torch.randn(D, generator=g)
+    if set(lens) == {1}:
+        x = torch.randn(R + pad_rows, D, generator=g)
+        cu = torch.arange(R + 1)
+        u = conv.conv_decode_inplace(pool, torch.cat([slots, torch.zeros(pad_rows, dtype=slots.dtype)]),
+                                     torch.cat([keep, torch.zeros(pad_rows, dtype=torch.bool)]), x, w, b)
+    else:
+        assert pad_rows == 0
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        x = torch.randn(int(cu[-1]) + 3, D, generator=g)
+        u = conv.conv_prefill_inplace(pool, slots, keep, x, w, b, cu, **launch)
+    for r in range(R):
+        a, e = int(cu[r]), int(cu[r + 1])
+        win = torch.where(keep[r], before[slots[r], 5:5 + C * D].view(C, D), 0.0)
+        want_u, want_w = conv_with_state(x[a:e][None], win[None], w, b)
+        # both sum C + 1 terms (taps, bias) in float32, in their own orders; Σ|terms| is the
+        # same conv of the absolute values; then SiLU (|silu'| <= 1.1, a few roundings of its own)
+        mag, _ = conv_with_state(x[a:e].abs()[None], win.abs()[None], w.abs(), b.abs())
+        tol = 1.1 * 2 * f32_sum_err(C + 1, mag[0]) + 4 * U32 * F.silu(want_u[0]).abs()
+        assert ((F.silu(want_u[0]) - u[a:e]).abs() <= tol).all(), r
+        assert torch.equal(pool[slots[r]], want_w[0]), r               # copies of inputs: exact
+    other = torch.ones_like(raw, dtype=torch.bool)
+    other[slots, 5:5 + C * D] = False
+    if pad_rows:
+        other[0] = False          # the null slot: the padding rows' scratch
+    assert torch.equal(raw.view(torch.int32)[other], before.view(torch.int32)[other])
+
+
+def test_conv_prefill_vs_conv_with_state():
+    _conv_case([1, 2, 3, 4, 5, 70, 130])
+
+
+@pytest.mark.parametrize("launch", [dict(block_t=2, seg_tiles=2, n_split=3),     # 4-token segments
+                                    dict(block_t=4, seg_tiles=1, n_split=40),    # more slots than segments
+                                    dict(block_t=1, seg_tiles=3, n_split=2)])    # segment = C - 1 tokens
+def test_conv_prefill_split_segments(launch):
+    """Requests cut into segments of C - 1 tokens or more, walked by n_split programs each (the
+    130-token request: 33 segments over 3 programs in the first case), tiles at the request's
+    start (old window taps) and inside it (x only).  The interpreter runs a request's segment-0
+    program, which writes the new window, before the others: one of them reading the window
+    would read the new one and fail the comparison."""
+    _conv_case([1, 2, 3, 4, 5, 70, 130, 9], **launch)
+
+
+def test_conv_split_needs_segments_of_c_minus_1():
+    """Segments shorter than C - 1 would read the old window from a second program (a race with
+    its write): refused."""
+    x = torch.zeros(8, 16)
+    with pytest.raises(ValueError, match="C - 1 = 3"):
+        conv.conv_prefill_inplace(torch.zeros(2, 4, 16), torch.tensor([1]), torch.tensor([True]), x,
+                                  torch.zeros(16, 1, 4), torch.zeros(16), torch.tensor([0, 8]),
+                                  block_t=2, seg_tiles=1, n_split=2)
+
+
+def test_conv_default_split():
+    """8 prompts of 2,048 tokens: 32 segment slots each (8 used); one request: a slot per segment
+    of all T tokens; many requests: one program each."""
+    assert conv.default_split(16384, 8, 256) == 32
+    assert conv.default_split(1000, 1, 256) == 4
+    assert conv.default_split(16384, 1280, 256) == 1
+
+
+def test_conv_decode_vs_conv_with_state():
+    """The decode step's one-token tiles (512 channels wide, D = 80 masked), with CUDA-graph
+    padding rows that all point at slot 0."""
+    _conv_case([1] * 9, pad_rows=3)

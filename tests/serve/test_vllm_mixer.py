@@ -1,0 +1,118 @@
+"""The vLLM mixer's Triton paths (export/vllm_model.py: decode conv and GLA kernels, packed conv + GLA
+prefill, the fused gated_mix after each; Triton's CPU interpreter) against its torch paths, on one
+mixed step.  TRITON_INTERPRET=1 around the imports and for the calls, as
+tests/serve/test_gla_prefill.py says."""
+import types
+
+import pytest
+
+from conftest import U32, import_interpreted, interpreter_fixture, need  # noqa: E402
+
+torch = need("torch")
+
+conv, gla_decode, gla_prefill, gated_mix, checks = import_interpreted(
+    "export.ops.conv", "export.ops.gla_decode", "export.ops.gla_prefill", "export.ops.gated_mix", "export.checks")
+
+interpret = interpreter_fixture(conv._conv_prefill_kernel, gla_decode._gla_decode_kernel,
+                                gla_prefill._gla_prefill_kernel, gated_mix._gated_mix_kernel)
+
+
+@pytest.fixture(scope="module")
+def mixer():
+    """A LaplaceVllmMixer of the tiny config with random weights (built in a default VllmConfig)."""
+    need("vllm")
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from export.vllm_model import LaplaceVllmMixer
+    from laplace_jax.config import load_config
+
+    cfg = load_config("laplace_tiny").model
+    g = torch.Generator().manual_seed(5)
+    with set_current_vllm_config(VllmConfig()):
+        m = LaplaceVllmMixer(cfg, "layers.0.mixer")
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 1.0) + (p.dim() == 1))
+    return m.eval()
+
+
+def _step(nd, lens, ctx, slots):
+    """A metadata object with the fields the mixer reads: nd decode rows (1 token each) then the
+    prefill requests of `lens` tokens; ctx: context tokens before this step, per request."""
+    q = [1] * nd + list(lens)
+    qsl = torch.tensor([0, *torch.tensor(q).cumsum(0).tolist()], dtype=torch.int32)
+    return types.SimpleNamespace(
+        num_decodes=nd, num_prefills=len(lens), num_decode_tokens=nd, num_prefill_tokens=sum(lens),
+        query_start_loc=qsl, seq_lens=torch.tensor(ctx, dtype=torch.int32) + qsl[1:] - qsl[:-1],
+        state_indices_tensor=torch.tensor(slots, dtype=torch.int32))
+
+
+def _run(m, raw, md, xn, res, rows, triton_on, monkeypatch):
+    """The mixer's _forward on this step with its pools inside the page buffer `raw` (changed in
+    place) and residual res; Triton paths on or off.  Returns the output [rows, D] (res + mixer)."""
+    C, D = m.cfg.conv_kernel, m.cfg.d_model
+    conv_pool = raw[:, 3:3 + C * D].unflatten(1, (C, D))
+    gla_pool = raw[:, 3 + C * D: 3 + C * D + m.H * m.K * m.V].unflatten(1, (m.H, m.K, m.V))
+    monkeypatch.setenv("LAPLACE_VLLM_TRITON", "1" if triton_on else "0")
+    monkeypatch.setattr(m, "_metadata", lambda: md)
+    monkeypatch.setattr(m, "_pools", lambda: (conv_pool, gla_pool))
+    out = res[:rows].clone()                 # the mixer adds into its residual rows in place
+    m._forward(xn, out)
+    return out
+
+
+def test_vllm_mixer_triton_prefill_equals_torch_path(mixer, monkeypatch):
+    """A mixed step: 2 decode rows, then prefill requests of 1, 3, 17, 40 and 5 tokens (new and
+    continued ones; pages of new sequences hold NaN), 4 padding rows.  The Triton paths (decode
+    conv and GLA kernels; packed conv + GLA prefill; the fused gated_mix after each, interpreter) against the
+    torch paths: outputs and GLA states within float32 rounding, conv windows equal."""
+    m = mixer
+    C, D, H, K, V = m.cfg.conv_kernel, m.cfg.d_model, m.H, m.K, m.V
+    g = torch.Generator().manual_seed(8)
+    lens, ctx = [1, 3, 17, 40, 5], [5, 0, 0, 7, 12, 33, 0]          # ctx: decodes first
+    slots = [4, 9, 2, 7, 11, 1, 5]
+    md = _step(2, lens, ctx, slots)
+    n = 2 + sum(lens)
+    raw = torch.randn(13, 3 + C * D + H * K * V + 5, generator=g)
+    for r, c in enumerate(ctx):
+        if c == 0:
+            raw[slots[r]] = float("nan")
+    xn = torch.randn(n + 4, D, generator=g)
+    res = torch.randn(n + 4, D, generator=g)                  # the block's residual stream
+    raw_t = raw.clone()
+    calls = []
+    for mod, name in ((gla_prefill, "gla_prefill_inplace"), (conv, "conv_prefill_inplace"),
+                      (gated_mix, "gated_mix_fused")):
+        f = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, f=f, name=name, **kw: calls.append(name) or f(*a, **kw))
+    got = _run(m, raw_t, md, xn, res, n + 4, True, monkeypatch)
+    # decode: the conv (one-token tiles of the packed kernel) and the fused post; prefill: one
+    # packed call each, then the fused post
+    assert calls == ["conv_prefill_inplace", "gated_mix_fused",                        # decode rows
+                     "conv_prefill_inplace", "gla_prefill_inplace", "gated_mix_fused"]  # prefill
+    want = _run(m, raw, md, xn, res, n + 4, False, monkeypatch)
+    assert len(calls) == 5                                                 # the torch path: none
+
+    assert torch.equal(got[n:], res[n:]) and torch.equal(want[n:], res[n:])     # padding: mixer output 0
+    # o: each path within prefill_tolerance('ieee') of the exact GLA; gated_mix's head RMSNorm keeps a
+    # relative error; gated_mix itself (torch ops or the fused kernel) adds its own float32
+    # rounding, relative (λ√V/2 + ~20)u per checks.gated_mix_error_bound, twice; w_out adds a D-term
+    # float32 sum (λ·D·u for random signs, each path); the residual add rounds once per path (the
+    # Triton path adds it in the GEMM, the torch path after it): u |res + mixer| each
+    post = 2 * 2 * (6 * V ** 0.5 / 2 + 20) * U32
+    tol = 2 * 2 * checks.prefill_tolerance("ieee", gla_prefill.CHUNK, K) + post + 2 * 6 * D * U32
+    starts = md.query_start_loc.tolist()
+    for r, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
+        assert torch.isfinite(got[a:b]).all(), r
+        mix = want[a:b] - res[a:b]
+        assert float((got[a:b] - want[a:b]).norm()) <= tol * float(mix.norm()) + 2 * U32 * float(want[a:b].norm()), r
+    cs = slice(3, 3 + C * D)
+    gs = slice(3 + C * D, 3 + C * D + H * K * V)
+    assert torch.equal(raw_t[slots][:, cs], raw[slots][:, cs])                   # input copies: exact
+    for s in slots:
+        rel = float((raw_t[s, gs] - raw[s, gs]).norm() / raw[s, gs].norm())
+        assert rel <= 2 * checks.prefill_tolerance("ieee", gla_prefill.CHUNK, K)
+    others = [s for s in range(13) if s not in slots]
+    assert torch.equal(raw_t[others].view(torch.int32), raw[others].view(torch.int32))
+    edges = torch.cat([raw_t[:, :3], raw_t[:, gs.stop:]], 1), torch.cat([raw[:, :3], raw[:, gs.stop:]], 1)
+    assert torch.equal(edges[0].view(torch.int32), edges[1].view(torch.int32))     # NaN-aware

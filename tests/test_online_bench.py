@@ -1,0 +1,156 @@
+"""benchmarks/online_bench.py: the SLO arithmetic, the /metrics parsing and the workload plan as pure
+functions; `--smoke` end to end on CPU (real vLLM OpenAI servers of the tiny Laplace export and a tiny
+Llama, one after the other, driven by vLLM's own bench-serve client and the multi-turn driver)."""
+import json
+import math
+import struct
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+from conftest import BENCHMARKS, ROOT, cpu_vllm_env, import_interpreted, need  # noqa: E402
+from online import report, server, tables, workloads  # noqa: E402  (benchmarks/online/)
+
+INF = math.inf
+
+
+def _row(rate, achieved, ttft99=100.0, tpot99=10.0, done=40, asked=40):
+    return {"rate": report.rate_value(rate), "request_throughput": achieved, "p99_ttft_ms": ttft99,
+            "p99_tpot_ms": tpot99, "completed": done, "requested": asked, "error": None}
+
+
+def test_held():
+    assert report.held(10, 9.0) and not report.held(10, 8.99)          # 0.9 x offered
+    assert not report.held(INF, 1e9)                                   # inf offers no rate to hold
+
+
+def test_max_rate_under_slo():
+    rows = [_row(4, 3.9), _row(8, 7.9, ttft99=2157.0),                  # 8: a p99 TTFT spike (fails)
+            _row(12, 11.8), _row(16, 15.0, tpot99=50.0),               # 50 ms: still within the SLO
+            _row(24, 20.0), _row(32, 31.0, tpot99=50.1), _row(INF, 40.0)]
+    assert report.max_rate_under_slo(rows) == {"rate": 16, "failing_below": [8]}   # 24 not held (20 < 21.6)
+    assert report.max_rate_under_slo([_row(4, 4.0, done=39)])["rate"] is None      # a request lost
+    assert report.max_rate_under_slo([_row(INF, 50.0)]) == {"rate": None, "failing_below": []}
+    assert report.max_rate_under_slo([_row(4, 4.0, ttft99=1000.0)])["rate"] == 4   # <= 1 s holds
+
+
+def test_parse_counters():
+    page = ('# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.\n'
+            '# TYPE vllm:prefix_cache_hits_total counter\n'
+            'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 1536.0\n'
+            'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 64.0\n'
+            'vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e9\n'
+            'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 2.0e3\n'
+            'vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 7.0\n')
+    assert server.parse_counters(page) == {"vllm:prefix_cache_hits": 1600.0, "vllm:prefix_cache_queries": 2000.0}
+    assert server.parse_counters("") == {"vllm:prefix_cache_hits": 0.0, "vllm:prefix_cache_queries": 0.0}
+
+
+def test_last_error(tmp_path):
+    """A server's failure is reported by its first exception line, without vLLM's log prefix."""
+    log = tmp_path / "server.log"
+    log.write_text("$ python -m vllm.entrypoints.openai.api_server ...\n"
+                   "(Worker pid=19369) ERROR 12-04 20:35:10 [multiproc_executor.py:1063] Traceback (most recent call last):\n"
+                   "(Worker pid=19369) ERROR 12-04 20:35:10 [multiproc_executor.py:1063] AttributeError: 'X' object has no "
+                   "attribute 'y'\n(EngineCore pid=1) ERROR 12-04 20:35:11 [core.py:1] RuntimeError: Worker failed\n")
+    srv = server.Server(["python", "--port", "1"], {}, log)
+    assert srv.last_error() == "AttributeError: 'X' object has no attribute 'y'"
+    log.write_text("loading\nstill loading\n")
+    assert srv.last_error() == "still loading"
+
+
+def test_plan():
+    s = workloads.Sizes()
+    runs = workloads.plan(["sweep", "prefix", "multiturn"], s)
+    measured = [r for r in runs if not r.warmup]
+    assert len({r.seed for r in runs}) == len(runs)              # no run resends another's prompts
+    assert [r.rate for r in measured if r.workload == "sweep"] == list(s.sweep_rates)
+    assert [r.prompts for r in measured if r.workload == "sweep"] == [40, 80, 120, 160, 240, 320, 400, 256]
+    assert sum(r.warmup for r in runs) == 3                      # one warm-up run per shape
+    pre = next(r for r in measured if r.workload == "prefix")
+    assert (pre.prefix_len, pre.in_len, pre.out_len, pre.shape) == (2048, 128, 256, "2048+128/256")
+    mt = next(r for r in measured if r.workload == "multiturn")
+    assert mt.max_len() == 1024 + 3 * (128 + 128) + 128 <= s.max_model_len
+    assert workloads.parse_shapes("512/128@8,inf;8192/256@2") == (((512, 128), (8.0, INF)), ((8192, 256), (2.0,)))
+    with pytest.raises(ValueError):
+        workloads.parse_rates("4,0")
+
+
+def test_bad_workload_exits_2():
+    p = subprocess.run([sys.executable, str(BENCHMARKS / "online_bench.py"), "--out", "/nonexistent/x",
+                        "--workloads", "sweep,chat"], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 2 and p.stderr.strip() == (
+        "online_bench: --workloads: unknown chat; choose from sweep, shapes, single, prefix, multiturn")
+
+
+# ----------------------------------------------------------------------------- the smoke run
+
+def _laplace_caches() -> bool:
+    """Whether the plugin's model opts in to vLLM's prefix caching (issue 33)."""
+    (vm,) = import_interpreted("export.vllm_model")
+    return bool(getattr(vm.LaplaceForCausalLM, "supports_mamba_prefix_caching", False))
+
+
+def _check_row(row: dict, result: dict) -> None:
+    """A measured row: every request done, latencies positive and ordered, equal to the client's file."""
+    assert row["completed"] == row["requested"] == result.get("num_prompts", row["requested"]) > 0, row
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        p50, p99 = row[f"median_{m}_ms"], row[f"p99_{m}_ms"]
+        assert 0 <= p50 <= p99 and p99 > 0, (m, row)
+        assert (p50, p99) == (result[f"median_{m}_ms"], result[f"p99_{m}_ms"])
+    assert row["median_ttft_ms"] > 0 and row["request_throughput"] > 0 and row["output_throughput"] > 0
+
+
+@pytest.mark.slow
+def test_online_bench_smoke(tmp_path):
+    need("vllm")
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(BENCHMARKS / "online_bench.py"), "--smoke", "--pack", "--out", str(out),
+           "--work", str(tmp_path / "work")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=cpu_vllm_env(), cwd=ROOT)
+    caches = _laplace_caches()
+    assert p.returncode == (0 if caches else 1), f"rc={p.returncode}:\n{p.stdout[-5000:]}\n{p.stderr[-3000:]}"
+    files = sorted(f.name for f in out.iterdir())
+    assert files == ["details.tar.gz", "online_bench.md", "online_bench.png", "summary.json"]
+    with tarfile.open(out / "details.tar.gz") as tar:
+        tar.extractall(tmp_path / "details")
+    d = tmp_path / "details"
+    summary = json.loads((out / "summary.json").read_text())
+    status = {s["name"]: s["status"] for s in summary["servers"]}
+    assert list(status) == ["laplace-cache-off", "laplace-cache-on", "llama"]
+    assert status["laplace-cache-on"] == "ready" if caches else status["laplace-cache-on"].startswith("exited during")
+    assert status["laplace-cache-off"] == status["llama"] == "ready"
+
+    rows = [r for r in summary["rows"] if not r["warmup"] and "skipped" not in r]
+    good = [r for r in rows if caches or r["server"] != "laplace-cache-on"]
+    assert {(r["server"], r["workload"]) for r in good} >= {
+        (s, w) for s in ("laplace-cache-off", "llama") for w in workloads.WORKLOADS}
+    for r in good:
+        _check_row(r, json.loads((d / "results" / r["server"] / f"{r['label']}.json").read_text()))
+    # the JIT-monitor lines: per server, the count in its log (each run's count adds up to at most that)
+    for s in summary["servers"]:
+        log = (d / "logs" / f"{s['name']}.server.log").read_text()
+        assert s["jit_lines"] == summary["jit_lines"][s["name"]] == log.count(server.JIT_LINE)
+        assert sum(r["jit_lines"] for r in summary["rows"] if r["server"] == s["name"] and "skipped" not in r) \
+            <= s["jit_lines"]
+    # vLLM's own prefix cache (the peer) hits the shared prefix and the resent conversations
+    by = {(r["server"], r["workload"]): r for r in good}
+    assert by[("llama", "prefix")]["prefix_cache_hits"] > 0
+    assert by[("llama", "multiturn")]["prefix_cache_hits"] > 0
+    assert by[("laplace-cache-off", "prefix")]["prefix_cache_hits"] == 0
+    mt = json.loads((d / "results" / "llama" / f"{by[('llama', 'multiturn')]['label']}.json").read_text())
+    conv, turns, first, user, reply = workloads.SMOKE.multiturn
+    assert sorted(t["prompt_len"] for t in mt["turn_records"]) == sorted(
+        first + t * (reply + user) for t in range(turns) for _ in range(conv))
+    # the SLO figure is the one its rows give; the table and the plot are there
+    lap = tables.general_server(summary["rows"])
+    assert summary["slo"] == {m: report.max_rate_under_slo(tables.measured(summary["rows"], s, "sweep"))
+                              for m, s in (("laplace", lap), ("llama", "llama"))}
+    md = (out / "online_bench.md").read_text()
+    for r in (r for r in good if r["workload"] == "sweep"):
+        assert f"| {workloads.rate_text(report.rate_of(r))} | " in md
+    assert "Max request rate under the SLO" in md and md.strip() in p.stdout
+    png = (out / "online_bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24]) == (1210, 880)
