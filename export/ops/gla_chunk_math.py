@@ -36,6 +36,14 @@ if triton is not None:
         return c
 
     @triton.jit
+    def _tile_ranges(vb, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr):
+        """A program's index ranges: rk [BK], rv [BV] (value block vb), rt [BT], and the masks
+        rk < K, rv < V."""
+        rk = tl.arange(0, BK)
+        rv = vb * BV + tl.arange(0, BV)
+        return rk, rv, tl.arange(0, BT), rk < K, rv < V
+
+    @triton.jit
     def _head_rows(ptr, rows, s_t, h, s_h, cols, mt, mc):
         """ptr[rows, h, cols] as a [rows, cols] tile (masked rows and columns read as 0)."""
         return tl.load(ptr + rows[:, None] * s_t + h * s_h + cols[None, :], mask=mt[:, None] & mc[None, :], other=0.0)

@@ -42,7 +42,7 @@ from typing import Iterator, Optional
 import torch
 
 from export.ops import gla_prefill_chunked as chunked
-from export.ops.gla_chunk_math import _chunk_decays, _chunk_output, _chunk_state, _head_rows, _modes
+from export.ops.gla_chunk_math import _chunk_decays, _chunk_output, _chunk_state, _head_rows, _modes, _tile_ranges
 from export.ops.gla_chunk_math import default_precision  # noqa: F401  (gla_prefill.default_precision)
 from export.ops.launch_keys import Launch, run
 from export.ops.triton_switch import interpreting, require, rowmajor, tl, triton
@@ -78,11 +78,7 @@ if triton is not None:
         keep = tl.load(keep_ptr + r)
         g = tl.load(g_gamma_ptr + h).to(tl.float32)
 
-        rk = tl.arange(0, BK)
-        rv = vb * BV + tl.arange(0, BV)
-        rt = tl.arange(0, BT)
-        mk = rk < K
-        mv = rv < V
+        rk, rv, rt, mk, mv = _tile_ranges(vb, K, V, BK, BV, BT)
         dmask, qdec = _chunk_decays(g, rt)
 
         s_ptrs = pool_ptr + slot * sp_slot + h * sp_h + rk[:, None] * sp_k + rv[None, :] * sp_v

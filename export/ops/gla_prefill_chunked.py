@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from export.ops.gla_chunk_math import _chunk_decays, _chunk_output, _chunk_state, _head_rows, _modes
+from export.ops.gla_chunk_math import _chunk_decays, _chunk_output, _chunk_state, _head_rows, _modes, _tile_ranges
 from export.ops.launch_keys import Launch, run
 from export.ops.triton_switch import interpreting, tl, triton
 
@@ -82,6 +82,15 @@ if triton is not None:
         eos = tl.load(cu_ptr + r + 1).to(tl.int64)
         return bos + (c - first).to(tl.int64) * BT, eos
 
+    @triton.jit
+    def _chunk_rows(cu_ptr, R, BT: tl.constexpr):
+        """(c, first row t0, end of its request eos, rows t0 + [0, BT), rows < eos) of this program's
+        chunk c (grid axis 0)."""
+        c = tl.program_id(0)
+        t0, eos = _chunk_span(c, cu_ptr, R, BT)
+        rows = t0 + tl.arange(0, BT)
+        return c, t0, eos, rows, rows < eos
+
     _IDX = ["cu_ptr", "slots_ptr", "keep_ptr"]    # read once per program: alignment is no variant
 
     @triton.jit(do_not_specialize=["R"], do_not_specialize_on_alignment=_IDX)
@@ -89,18 +98,11 @@ if triton is not None:
                             sk_t, sk_h, sv_t, sv_h, sb_c, sb_h, sb_k,
                             K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                             BT: tl.constexpr, MODE: tl.constexpr, EMULATE: tl.constexpr):
-        c = tl.program_id(0)
+        c, t0, eos, rows, mt = _chunk_rows(cu_ptr, R, BT)
         h = tl.program_id(1).to(tl.int64)
         vb = tl.program_id(2)
-        t0, eos = _chunk_span(c, cu_ptr, R, BT)
         g = tl.load(g_gamma_ptr + h).to(tl.float32)
-        rk = tl.arange(0, BK)
-        rv = vb * BV + tl.arange(0, BV)
-        rt = tl.arange(0, BT)
-        mk = rk < K
-        mv = rv < V
-        rows = t0 + rt
-        mt = rows < eos
+        rk, rv, rt, mk, mv = _tile_ranges(vb, K, V, BK, BV, BT)
         k = _head_rows(k_ptr, rows, sk_t, h, sk_h, rk, mt, mk)
         v = _head_rows(v_ptr, rows, sv_t, h, sv_h, rv, mt, mv)
         u = _chunk_state(k, v, g, tl.minimum(eos - t0, BT).to(tl.float32), rt, MODE, EMULATE)
@@ -151,18 +153,11 @@ if triton is not None:
                           K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                           BT: tl.constexpr, QK_MODE: tl.constexpr, MODE: tl.constexpr,
                           EMULATE: tl.constexpr):
-        c = tl.program_id(0)
+        c, t0, eos, rows, mt = _chunk_rows(cu_ptr, R, BT)
         h = tl.program_id(1).to(tl.int64)
         vb = tl.program_id(2)
-        t0, eos = _chunk_span(c, cu_ptr, R, BT)
         g = tl.load(g_gamma_ptr + h).to(tl.float32)
-        rk = tl.arange(0, BK)
-        rv = vb * BV + tl.arange(0, BV)
-        rt = tl.arange(0, BT)
-        mk = rk < K
-        mv = rv < V
-        rows = t0 + rt
-        mt = rows < eos
+        rk, rv, rt, mk, mv = _tile_ranges(vb, K, V, BK, BV, BT)
         dmask, qdec = _chunk_decays(g, rt)
         s = tl.load(buf_ptr + c.to(tl.int64) * sb_c + h * sb_h + rk[:, None] * sb_k + rv[None, :],
                     mask=mk[:, None] & mv[None, :] & (t0 < eos), other=0.0)
