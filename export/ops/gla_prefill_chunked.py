@@ -19,8 +19,9 @@ rows t0 = cu[r] + j·BT ... with n ≤ BT real tokens; exponents ≤ 0):
 
 Every product and sum is the serial kernel's, in the same order and precision (both call the
 `_chunk_state` and `_chunk_output` of export/ops/gla_chunk_math.py, with its `_modes`): U_c is the
-float32 product the serial kernel adds to its state, so the two paths agree to the last bit where the products do (the CPU interpreter), and
-`export.checks.prefill_tolerance` bounds both against float64.
+float32 product the serial kernel adds to its state, so the two paths agree to the last bit where
+the products do (the CPU interpreter), and `export.checks.prefill_tolerance` bounds both against
+float64.
 
 Chunks are numbered request after request (request r's first chunk is Σ_{i<r} ceil(len_i / BT));
 the host sizes the grid by the bound T // BT + R (no device sync; the lengths stay on the device),
