@@ -123,15 +123,16 @@ def output_rounding(dtype: torch.dtype) -> float:
 def prefill_errors(device: str = "cuda", lengths=(1, 63, 64, 65, 200, 2048, 17, 128, 1000, 3),
                    H: int = 16, K: int = 96, V: int = 192, dtype: torch.dtype = torch.bfloat16,
                    precision: Optional[str] = None, chunk: int = CHUNK, num_slots: int = 24,
-                   seed: Optional[int] = None, out_dtype: torch.dtype = torch.float32) -> dict:
+                   seed: Optional[int] = None, out_dtype: torch.dtype = torch.float32,
+                   path: Optional[str] = None) -> dict:
     """Run `gla_prefill_inplace` once on random data and measure it against `reference.gla_float64`.
 
     Requests of `lengths` (packed, with a few unused rows at the end); every third one starts from
     zero (keep False) and its page is filled with NaN, which must not leak; slots are distinct,
     random, never 0, and the pool slots no request owns must stay bit-for-bit unchanged, as must
     the bytes of each page outside the pool view.  q, k, v are strided views of one projection.
-    Returns {"o", "state"}: the largest per-request relative error, {"changed"}: elements changed
-    outside the requests' states, and the seed."""
+    path: the kernel (`gla_prefill_inplace`'s; None: its rule).  Returns {"o", "state"}: the largest
+    per-request relative error, {"changed"}: elements changed outside the requests' states, and the seed."""
     seed = fresh_seed() if seed is None else seed
     g = torch.Generator(device="cpu").manual_seed(seed)
     R = len(lengths)
@@ -148,7 +149,7 @@ def prefill_errors(device: str = "cuda", lengths=(1, 63, 64, 65, 200, 2048, 17, 
     state0 = torch.where(keep.view(-1, 1, 1, 1), pool[slots], 0.0)
     want_o, want_s = gla_float64(q, k, v, g_gamma, state0, cu)
 
-    o = gla_prefill_inplace(pool, slots, keep, q, k, v, g_gamma, cu, chunk, precision, out_dtype=out_dtype)
+    o = gla_prefill_inplace(pool, slots, keep, q, k, v, g_gamma, cu, chunk, precision, out_dtype=out_dtype, path=path)
     assert o.dtype == out_dtype
     starts = cu.tolist()
     err_o = max(_rel(o[a:b], want_o[a:b]) for a, b in zip(starts[:-1], starts[1:]))

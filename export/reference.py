@@ -39,11 +39,15 @@ def conv_step(x: torch.Tensor, window: torch.Tensor, w: torch.Tensor, b: torch.T
 
 
 def split_heads(qkvg: torch.Tensor, H: int, K: int, V: int) -> tuple:
-    """The projection [..., H·(2K + 2V)] as q, k [..., H, K], v, g [..., H, V] (views, same dtype)."""
+    """The projection [..., H·(2K + 2V)] as q, k [..., H, K], v, g [..., H, V] (views, same dtype).
+
+    Each view keeps the projection's strides on the leading dimensions, also where one has size 1
+    (a view or reshape would renumber those): the Triton kernels' compile key holds the strides,
+    and a one-token step must not make a variant of its own."""
     q, k, v, g = torch.split(qkvg, [H * K, H * K, H * V, H * V], dim=-1)
-    shp = qkvg.shape[:-1]
-    return (q.reshape(*shp, H, K), k.reshape(*shp, H, K),
-            v.reshape(*shp, H, V), g.reshape(*shp, H, V))
+    return tuple(x.as_strided((*x.shape[:-1], H, d), (*x.stride()[:-1], d * x.stride(-1), x.stride(-1)),
+                              x.storage_offset())
+                 for x, d in ((q, K), (k, K), (v, V), (g, V)))
 
 
 def gla_chunked(q, k, v, g_gamma, state, chunk: int = 64):

@@ -42,7 +42,7 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from export import prefix_cache
-from export.ops import conv, gated_mix, gla_decode, gla_prefill, triton_switch
+from export.ops import conv, gated_mix, gla_decode, gla_prefill, triton_switch, warmup
 from export.reference import layer_norm
 from export.torch_model import LaplaceMixer, Norm, check_state_dict
 from laplace_jax.spec import Arch
@@ -81,6 +81,17 @@ class LaplaceVllmMixer(LaplaceMixer, MambaBase):
         if prefix in ctx:
             raise ValueError(f"duplicate layer name: {prefix}")
         ctx[prefix] = self
+
+    # --- the state pools: binding them compiles every Triton kernel variant (export/ops/warmup.py),
+    # so that none compiles while serving
+    @property
+    def kv_cache(self):
+        return self._kv_cache
+
+    @kv_cache.setter
+    def kv_cache(self, value) -> None:
+        self._kv_cache = value
+        warmup.on_bind(self)
 
     # --- MambaBase interface
     @property

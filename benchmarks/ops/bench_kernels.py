@@ -229,9 +229,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("device", nargs="?", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: the checks on small CPU tensors (run with TRITON_INTERPRET=1)")
-    ap.add_argument("kernels", nargs="*", choices=sorted(KERNELS), metavar="KERNEL",
+    # no `choices` here: Python 3.11's argparse checks an empty KERNEL list against them and fails
+    ap.add_argument("kernels", nargs="*", metavar="KERNEL",
                     help=f"some of {', '.join(KERNELS)} (default: all)")
     a = ap.parse_args(argv)
+    unknown = [k for k in a.kernels if k not in KERNELS]
+    if unknown:
+        ap.error(f"unknown KERNEL {', '.join(unknown)}: want some of {', '.join(KERNELS)}")
     bad = 0
     for name in a.kernels or KERNELS:
         print(f"== {name}")

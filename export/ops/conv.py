@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from export.ops.launch_keys import Launch, run
 from export.ops.triton_switch import require, rowmajor, tl, triton
 
 # D = 3072: 48 channel blocks per request; each block of 32 tokens loads C shifted [32, 64] tiles
@@ -49,7 +50,9 @@ SPLIT_CAP = 256
 DECODE_BLOCK_D = 512
 
 if triton is not None:
-    @triton.jit
+    # the per-request index arrays are read once per program: their pointers' 16-byte alignment
+    # (a slice of the step's arrays starts anywhere) must not make a compile variant
+    @triton.jit(do_not_specialize_on_alignment=["slots_ptr", "keep_ptr", "cu_ptr"])
     def _conv_prefill_kernel(x_ptr, u_ptr, pool_ptr, slots_ptr, keep_ptr, cu_ptr, w_ptr, b_ptr,
                              sx_t, su_t, sp_slot, sp_c, sp_d, sw_d, sw_c,
                              D: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr,
@@ -139,12 +142,13 @@ def conv_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Te
         raise ValueError(f"n_split={n_split} with {seg}-token segments: want n_split >= 1, and "
                          f"segments of >= C - 1 = {C - 1} tokens when n_split > 1")
     grid = (R, triton.cdiv(D, block_d), n_split)
-    _conv_prefill_kernel[grid](
-        x, u, pool, slots.contiguous(), keep.to(torch.int8).contiguous(), cu_seqlens.contiguous(),
+    run(Launch(_conv_prefill_kernel, grid, (
+        x, u, pool, slots.to(torch.long).contiguous(), keep.to(torch.int8).contiguous(),
+        cu_seqlens.to(torch.int32).contiguous(),
         weight, bias, x.stride(0), u.stride(0), pool.stride(0), pool.stride(1), pool.stride(2),
-        weight.stride(0), weight.stride(-1),
-        D=D, C=C, BC=triton.next_power_of_2(C), BD=block_d, BT=block_t, SEG=seg, SILU=silu,
-        num_warps=NUM_WARPS)
+        weight.stride(0), weight.stride(-1)),
+        dict(D=D, C=C, BC=triton.next_power_of_2(C), BD=block_d, BT=block_t, SEG=seg, SILU=silu,
+             num_warps=NUM_WARPS)))
     return u
 
 

@@ -22,6 +22,7 @@ benchmarks/ops/bench_kernels.py times it against the torch path.
 """
 import torch
 
+from export.ops.launch_keys import Launch, run
 from export.ops.triton_switch import require, rowmajor, tl, triton
 
 # 8 tokens × 256 (padded V) float32 per tile: 16 values a thread and tensor at 4 warps; N=16384,
@@ -30,7 +31,8 @@ BLOCK_T = 8
 NUM_WARPS = 4
 
 if triton is not None:
-    @triton.jit
+    # N (tokens) changes every step: Triton would compile N = 1 and N % 16 == 0 apart
+    @triton.jit(do_not_specialize=["N"])
     def _gated_mix_kernel(q_ptr, k_ptr, v_ptr, g_ptr, o_ptr, a_ptr, w_ptr, y_ptr, N,
                          sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, so_t, so_h,
                          sa_h, sw_t, sy_t, eps,
@@ -94,11 +96,11 @@ def gated_mix_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     q, k, v, g, o = (rowmajor(x) for x in (q, k, v, g, o))
     a, w = rowmajor(aug_balance), rowmajor(head_norm)
     grid = (triton.cdiv(N, block_t), H)
-    _gated_mix_kernel[grid](
+    run(Launch(_gated_mix_kernel, grid, (
         q, k, v, g, o, a, w, y, N,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), o.stride(0), o.stride(1),
-        a.stride(0), w.stride(0), y.stride(0), float(eps),
-        K=K, V=V, HPT=H // T, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V), BT=block_t,
-        num_warps=num_warps)
+        a.stride(0), w.stride(0), y.stride(0), float(eps)),
+        dict(K=K, V=V, HPT=H // T, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V), BT=block_t,
+             num_warps=num_warps)))
     return y

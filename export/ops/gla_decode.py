@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from export.ops.launch_keys import Launch, run
 from export.ops.triton_switch import require, rowmajor, tl, triton
 
 BLOCK_V = 64
@@ -35,7 +36,9 @@ def _evict_default() -> bool:
 
 
 if triton is not None:
-    @triton.jit
+    # the per-request index arrays are read once per program: their pointers' 16-byte alignment
+    # (a slice of the step's arrays starts anywhere) must not make a compile variant
+    @triton.jit(do_not_specialize_on_alignment=["slots_ptr", "keep_ptr"])
     def _gla_decode_kernel(pool_ptr, slots_ptr, keep_ptr, q_ptr, k_ptr, v_ptr, g_gamma_ptr, o_ptr,
                            sp_slot, sp_h, sp_k, sp_v,
                            sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, so_b, so_h,
@@ -95,7 +98,7 @@ def gla_decode_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tens
     if B == 0:
         return o
     q, k, v = rowmajor(q), rowmajor(k), rowmajor(v)
-    slots = slots.contiguous()
+    slots = slots.to(torch.long).contiguous()
     keep = keep.to(torch.int8).contiguous()
     g_gamma = g_gamma.to(device=q.device, dtype=torch.float32).contiguous()
     BV = min(block_v, triton.next_power_of_2(V))
@@ -103,12 +106,12 @@ def gla_decode_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tens
     if BK & (BK - 1):
         raise ValueError(f"block_k={block_k}: want a power of 2")
     grid = (B, H, triton.cdiv(V, BV))
-    _gla_decode_kernel[grid](
+    run(Launch(_gla_decode_kernel, grid, (
         pool, slots, keep, q, k, v, g_gamma, o,
         pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1),
-        float(K) ** -0.5,
-        K=K, V=V, BK=BK, BV=BV, EVICT=_evict_default() if evict is None else bool(evict),
-        num_warps=num_warps)
+        float(K) ** -0.5),
+        dict(K=K, V=V, BK=BK, BV=BV, EVICT=_evict_default() if evict is None else bool(evict),
+             num_warps=num_warps)))
     return o

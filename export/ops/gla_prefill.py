@@ -26,14 +26,25 @@ bf16 inputs: those operands rounded to bf16, as JAX's own `ops.gla.chunk_simple_
 "tf32" (10 mantissa bits; the default for float16 inputs).  q k^T of bf16 inputs is always a bf16
 product: exact products, float32 sums.
 
+Two launch paths, the same math (export/ops/gla_chunk_math.py, which both import): this module's
+kernel walks each request's chunks in series (grid (request, head, value block): the throughput
+path); export/ops/gla_prefill_chunked.py spreads the chunks over the grid (for few requests, whose
+serial grid would leave SMs idle).  `gla_prefill_inplace` picks by `gla_prefill_chunked.prefill_path`
+from host integers (no sync).
+
 `export.checks.prefill_errors()` measures each against the float64 recurrence
 (`reference.gla_float64`; `checks.within_tolerance` judges it); benchmarks/ops/bench_kernels.py
 times it against the torch path (gather + `gla_chunked` + scatter).
 """
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 
+from export.ops import gla_prefill_chunked as chunked
+from export.ops.gla_chunk_math import _chunk_decays, _chunk_output, _chunk_state, _head_rows, _modes, _tile_ranges
+from export.ops.gla_chunk_math import default_precision  # noqa: F401  (gla_prefill.default_precision)
+from export.ops.launch_keys import Launch, run
 from export.ops.triton_switch import interpreting, require, rowmajor, tl, triton
 
 # H200, K=96 (padded to 128), V=192: BV=64 gives R*H*3 programs (384 for 8 requests, ~3 per SM of
@@ -46,26 +57,11 @@ from export.ops.triton_switch import interpreting, require, rowmajor, tl, triton
 BLOCK_V = 64
 NUM_WARPS = 4
 CHUNK = 64
-_MODES = {"ieee": 0, "tf32": 1, "bf16": 2}
 
 if triton is not None:
-    @triton.jit
-    def _mm(a, b, MODE: tl.constexpr, EMULATE: tl.constexpr):
-        """a @ b with float32 accumulation; operands cast per MODE (0 ieee, 1 tf32, 2 bf16).
-        EMULATE: the CPU interpreter, whose dot cannot take bf16 operands: round them to bf16 and
-        multiply in float32 (the same products: a product of two bf16 values is exact in float32)."""
-        if MODE == 2 and EMULATE:
-            c = tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32),
-                       input_precision="ieee")
-        elif MODE == 2:
-            c = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-        elif MODE == 1:
-            c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
-        else:
-            c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        return c
-
-    @triton.jit
+    # the per-request index arrays are read once per program: their pointers' 16-byte alignment
+    # (a slice of the step's arrays starts anywhere) must not make a compile variant
+    @triton.jit(do_not_specialize_on_alignment=["slots_ptr", "keep_ptr", "cu_ptr"])
     def _gla_prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pool_ptr, slots_ptr, keep_ptr, cu_ptr, g_gamma_ptr,
                             sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
                             sp_slot, sp_h, sp_k, sp_v,
@@ -82,15 +78,8 @@ if triton is not None:
         keep = tl.load(keep_ptr + r)
         g = tl.load(g_gamma_ptr + h).to(tl.float32)
 
-        rk = tl.arange(0, BK)
-        rv = vb * BV + tl.arange(0, BV)
-        rt = tl.arange(0, BT)
-        mk = rk < K
-        mv = rv < V
-        # decays that do not depend on the chunk: [i >= j] e^{γ(i-j)} and e^{γ(i+1)}
-        diff = (rt[:, None] - rt[None, :]).to(tl.float32)
-        dmask = tl.where(diff >= 0, tl.exp(g * tl.maximum(diff, 0.0)), 0.0)
-        qdec = tl.exp(g * (rt + 1).to(tl.float32))
+        rk, rv, rt, mk, mv = _tile_ranges(vb, K, V, BK, BV, BT)
+        dmask, qdec = _chunk_decays(g, rt)
 
         s_ptrs = pool_ptr + slot * sp_slot + h * sp_h + rk[:, None] * sp_k + rv[None, :] * sp_v
         s_mask = mk[:, None] & mv[None, :]
@@ -102,41 +91,16 @@ if triton is not None:
             rows = t0 + rt
             mt = rows < eos
             n = tl.minimum(eos - t0, BT).to(tl.float32)                  # real tokens here
-            q = tl.load(q_ptr + rows[:, None] * sq_t + h * sq_h + rk[None, :],
-                        mask=mt[:, None] & mk[None, :], other=0.0)
-            k = tl.load(k_ptr + rows[:, None] * sk_t + h * sk_h + rk[None, :],
-                        mask=mt[:, None] & mk[None, :], other=0.0)
-            v = tl.load(v_ptr + rows[:, None] * sv_t + h * sv_h + rv[None, :],
-                        mask=mt[:, None] & mv[None, :], other=0.0)
-            att = _mm(q, tl.trans(k), QK_MODE, EMULATE) * dmask                    # [BT, BT]
-            o = _mm(att, v, MODE, EMULATE) + _mm(q, s, MODE, EMULATE) * qdec[:, None]       # uses S entering the chunk
+            q = _head_rows(q_ptr, rows, sq_t, h, sq_h, rk, mt, mk)
+            k = _head_rows(k_ptr, rows, sk_t, h, sk_h, rk, mt, mk)
+            v = _head_rows(v_ptr, rows, sv_t, h, sv_h, rv, mt, mv)
+            o = _chunk_output(q, k, v, s, dmask, qdec, QK_MODE, MODE, EMULATE)     # uses S entering the chunk
             tl.store(o_ptr + rows[:, None] * so_t + h * so_h + rv[None, :],
                      (o * scale).to(o_ptr.dtype.element_ty), mask=mt[:, None] & mv[None, :])
-            pos = rt.to(tl.float32)
-            kdec = tl.where(pos < n, tl.exp(g * tl.maximum(n - 1.0 - pos, 0.0)), 0.0)
-            s = tl.exp(g * n) * s + _mm(tl.trans(k.to(tl.float32) * kdec[:, None]), v, MODE, EMULATE)
+            s = tl.exp(g * n) * s + _chunk_state(k, v, g, n, rt, MODE, EMULATE)
 
         tl.store(s_ptrs, s, mask=s_mask)
 
-
-def default_precision(dtype: torch.dtype) -> str:
-    """The products' precision `gla_prefill_inplace` uses for q, k, v of `dtype` (the module doc)."""
-    return {torch.float32: "ieee", torch.bfloat16: "bf16"}.get(dtype, "tf32")
-
-
-def _modes(dtype: torch.dtype, precision: Optional[str]) -> tuple:
-    """(QK_MODE, MODE) for inputs of `dtype`.  MODE: `precision`, by default ieee for float32
-    inputs, bf16 for bf16 ones (JAX's chunked GLA rounds the same operands to the input dtype) and
-    tf32 for float16 (whose 5 exponent bits would not hold the decayed state).  q k^T of 16-bit
-    inputs uses operands they are exact in: bf16 for bf16, tf32 (11 significant bits) for float16."""
-    low = dtype != torch.float32
-    precision = precision or default_precision(dtype)
-    if precision not in _MODES:
-        raise ValueError(f"precision={precision!r}: want one of {sorted(_MODES)}")
-    mode = _MODES[precision]
-    if not low:
-        return mode, mode
-    return (_MODES["bf16"] if dtype == torch.bfloat16 else _MODES["tf32"]), mode
 
 
 def gla_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor, q: torch.Tensor,
@@ -144,7 +108,7 @@ def gla_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Ten
                         chunk: int = CHUNK, precision: Optional[str] = None,
                         block_v: int = BLOCK_V, num_warps: int = NUM_WARPS,
                         num_stages: Optional[int] = None,
-                        out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                        out_dtype: torch.dtype = torch.float32, path: Optional[str] = None) -> torch.Tensor:
     """Chunked GLA over the packed prefill tokens of R requests, continuing from and writing back
     their states in the pool.
 
@@ -153,7 +117,9 @@ def gla_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Ten
     v [T, H, V] (float32 or bf16, one dtype; views with last-dim stride 1 are used as they are);
     g_gamma [H] (ln λ, <= 0); cu_seqlens [R + 1] integer, nondecreasing, cu_seqlens[R] <= T.
     chunk: tokens per step, a power of 2 >= 16 (tensor-core tile); precision: see the module doc;
-    block_v, num_warps, num_stages (None: by dtype): launch settings.  Returns o [T, H, V] in
+    block_v, num_warps, num_stages (None: by dtype): launch settings.  path: "serial" (this module's
+    kernel), "chunked" (export/ops/gla_prefill_chunked.py, chunks in parallel) or None: by
+    `gla_prefill_chunked.prefill_path` from R, T and the shapes (or `forced_path`).  Returns o [T, H, V] in
     out_dtype (float32, or q's dtype as JAX's chunk_simple_gla returns it: one rounding of the
     float32 result; rows outside every request are left uninitialised)."""
     require("export.ops.gla_prefill")
@@ -174,18 +140,41 @@ def gla_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Ten
     o = torch.empty((T, H, V), device=q.device, dtype=out_dtype)
     if R == 0 or T == 0:
         return o
+    path = path or _forced_path or chunked.prefill_path(R, T, H, K, V, chunk, chunked.sm_count(q.device), block_v)
+    if path not in ("serial", "chunked"):
+        raise ValueError(f"path={path!r}: want 'serial', 'chunked' or None")
     q, k, v = rowmajor(q), rowmajor(k), rowmajor(v)
+    g_gamma = g_gamma.to(device=q.device, dtype=torch.float32).contiguous()
+    cu_seqlens = cu_seqlens.to(torch.int32).contiguous()   # index dtypes fixed: one compile variant
+    slots = slots.to(torch.long).contiguous()
+    if path == "chunked":
+        return chunked.gla_prefill_chunked(pool, slots, keep, q, k, v, g_gamma, cu_seqlens, o, chunk, precision,
+                                           block_v, num_warps, num_stages)
     BK = max(16, triton.next_power_of_2(K))
     BV = max(16, min(block_v, triton.next_power_of_2(V)))
     grid = (R, H, triton.cdiv(V, BV))
-    _gla_prefill_kernel[grid](
-        q, k, v, o, pool, slots.contiguous(), keep.to(torch.int8).contiguous(),
-        cu_seqlens.contiguous(), g_gamma.to(device=q.device, dtype=torch.float32).contiguous(),
+    run(Launch(_gla_prefill_kernel, grid, (
+        q, k, v, o, pool, slots, keep.to(torch.int8).contiguous(), cu_seqlens, g_gamma,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1),
         pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3),
-        float(K) ** -0.5,
-        K=K, V=V, BK=BK, BV=BV, BT=chunk, QK_MODE=qk_mode, MODE=mode,
-        EMULATE=interpreting(), num_warps=num_warps,
-        num_stages=num_stages or {torch.float32: 1, torch.bfloat16: 3}.get(q.dtype, 2))
+        float(K) ** -0.5),
+        dict(K=K, V=V, BK=BK, BV=BV, BT=chunk, QK_MODE=qk_mode, MODE=mode,
+             EMULATE=interpreting(), num_warps=num_warps,
+             num_stages=num_stages or {torch.float32: 1, torch.bfloat16: 3}.get(q.dtype, 2))))
     return o
+
+
+_forced_path: Optional[str] = None
+
+
+@contextlib.contextmanager
+def forced_path(path: str) -> Iterator[None]:
+    """Inside the block `gla_prefill_inplace` (path None) takes `path` ("serial" or "chunked"):
+    the warm-up compiles both kernels through the mixer's own launch code."""
+    global _forced_path
+    saved, _forced_path = _forced_path, path
+    try:
+        yield
+    finally:
+        _forced_path = saved

@@ -17,8 +17,9 @@ gla_prefill, checks = import_interpreted("export.ops.gla_prefill", "export.check
 interpret = interpreter_fixture(gla_prefill._gla_prefill_kernel)
 
 
-# K, V not powers of 2 (masked to BK, BV); chunk 16: partial chunks at 1, 15, 17, 40, 3
-SMALL = dict(H=2, K=24, V=40, chunk=16, num_slots=10)
+# K, V not powers of 2 (masked to BK, BV); chunk 16: partial chunks at 1, 15, 17, 40, 3.  The
+# serial kernel (at these shapes `prefill_path` would pick the chunked one: test_gla_prefill_chunked.py)
+SMALL = dict(H=2, K=24, V=40, chunk=16, num_slots=10, path="serial")
 
 
 @pytest.mark.parametrize("lengths", [(1, 15, 16, 17, 40, 3), (33,), (16, 16, 1, 1, 64)])
@@ -34,7 +35,7 @@ def test_gla_prefill_float32_vs_float64(lengths):
 def test_gla_prefill_3b_head_shape():
     """K=96 (padded to 128), V=192 (three 64-wide blocks), chunk 64: lengths around the chunk."""
     e = checks.prefill_errors("cpu", lengths=(1, 63, 64, 65, 130), H=2, K=96, V=192,
-                              dtype=torch.float32, num_slots=8)
+                              dtype=torch.float32, num_slots=8, path="serial")
     assert e["changed"] == 0, e
     assert max(e["o"], e["state"]) <= checks.prefill_tolerance("ieee", 64, 96), e
 
