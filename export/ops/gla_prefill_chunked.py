@@ -172,7 +172,7 @@ if triton is not None:
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multiprocessor_count
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def sm_count(device: torch.device) -> int:
