@@ -139,6 +139,9 @@ PALLAS_IMPL_KEYS = ("gla_impl", "mix_impl")   # execution keys choosing between 
 _REMAT = ("none", "full", "dots", "dots_no_batch", "dots_gla", "dots_acts")
 _DTYPES = ("float32", "bfloat16", "float16")
 EXECUTION_KEYS = tuple(f.name for f in dataclasses.fields(Execution))
+# What a config file must name: the architecture's shape. A file without them would train the
+# defaults' 3B model, which nobody asks for by leaving a key out (numerics keep their defaults).
+MODEL_KEYS = tuple(f.name for f in dataclasses.fields(Arch) if f.name not in ("norm_eps", "init_std"))
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -335,17 +338,37 @@ def load_config(name_or_path: str | os.PathLike[str] | None = None,
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: holds a YAML {type(data).__name__}, not a mapping of sections "
                               f"(model:, optim:, train:, ...): fix the file")
+        return from_dict(data, overrides, source=str(path))
     return from_dict(data, overrides)
 
 
-def from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), *,
+              source: str | None = None) -> Config:
+    """`data` (YAML sections) with `overrides` applied, validated. With `source` (the file it came
+    from), the model must be named: every `MODEL_KEYS` key, in the data or an override."""
     data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}': expected key=value, e.g. model.d_model=256")
         key, raw = item.split("=", 1)
         _set_dotted(data, key.strip(), raw.strip(), Config)
+    if source is not None:
+        _require_model(data.get("model") or {}, source)
     return validate(_build(Config, data, ""))
+
+
+def _require_model(model: Any, source: str) -> None:
+    if not isinstance(model, dict):
+        return   # _build names the type
+    names = [f.name for f in dataclasses.fields(Arch)]
+    for key in model:   # a misspelt key is the better message than the key it leaves missing
+        if key not in names:
+            raise _unknown(f"model.{key}", key, names)
+    missing = [k for k in MODEL_KEYS if k not in model]
+    if missing:
+        what = "names no model" if len(missing) == len(MODEL_KEYS) else f"lacks model.{missing[0]}"
+        raise ConfigError(f"{source} {what}: a config names the whole architecture ({', '.join(missing)} "
+                          f"missing): copy the model: section of configs/{DEFAULT_CONFIG}.yaml and edit it")
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:
@@ -354,15 +377,19 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
     return d
 
 
-def from_saved(data: dict[str, Any]) -> Config:
+def from_saved(data: dict[str, Any], source: str = "the saved config") -> Config:
     """A config saved in a run dir or checkpoint. Those written before execution choices had their
     own section hold them under `model`: they move to `execution` (the saved values still apply)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source} is a {type(data).__name__}, not a mapping of sections")
     data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
-    model = data.get("model") or {}
-    moved = {k: model.pop(k) for k in list(model) if k in EXECUTION_KEYS}
-    if moved:
-        data["execution"] = {**moved, **(data.get("execution") or {})}
-    return from_dict(data)
+    model = data.get("model")
+    if isinstance(model, dict):
+        moved = {k: model.pop(k) for k in list(model) if k in EXECUTION_KEYS}
+        if moved:
+            execution = data.get("execution") or {}
+            data["execution"] = {**moved, **execution} if isinstance(execution, dict) else execution
+    return from_dict(data, source=source)
 
 
 def resolve_execution(cfg: Config, backend: str, *, gspmd: bool = False) -> Config:
