@@ -159,6 +159,8 @@ def validate(cfg: Config) -> Config:
             v = getattr(section, f.name)
             if isinstance(v, float):
                 _check(math.isfinite(v), f"{prefix}{f.name}={v}: must be a finite number")
+            elif isinstance(v, int) and not isinstance(v, bool):   # counts, sizes and seeds reach int32 code
+                _check(abs(v) < 2 ** 31, f"{prefix}{f.name}={v}: must be below 2**31")
     m, e = cfg.model, cfg.execution
     _check(e.remat in _REMAT, f"execution.remat={e.remat!r}: choose one of {_REMAT}")
     _check(e.gla_hand_off in ("scan", "matmul"),
@@ -193,6 +195,8 @@ def validate(cfg: Config) -> Config:
     _check(t.batch_tokens % m.seq_len == 0,
            f"train.batch_tokens={t.batch_tokens} is not a multiple of model.seq_len={m.seq_len}: "
            f"use a multiple of {m.seq_len}")
+    for key, seed in (("train.seed", cfg.train.seed), ("data.shuffle_seed", cfg.data.shuffle_seed)):
+        _check(0 <= seed < 2 ** 31, f"{key}={seed}: must be in [0, 2**31)")   # jax's PRNGKey takes 32 bits
     _check(cfg.mesh.data > 0, f"mesh.data={cfg.mesh.data}: must be positive")
     _check(cfg.mesh.fsdp == -1 or cfg.mesh.fsdp > 0, f"mesh.fsdp={cfg.mesh.fsdp}: must be positive or -1 (all devices)")
     _check(0 <= cfg.data.val_fraction < 1, f"data.val_fraction={cfg.data.val_fraction}: must be in [0, 1)")
@@ -271,7 +275,9 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
 
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(data).__name__}")
+        where = prefix.rstrip('.') or 'config'
+        raise ConfigError(f"{where}: expected a mapping of keys, got a {type(data).__name__}: write `{where}:` "
+                          f"followed by indented `key: value` lines")
     hints = _hints(cls)
     kwargs = {}
     names = [f.name for f in dataclasses.fields(cls)]
@@ -338,7 +344,10 @@ def load_config(name_or_path: str | os.PathLike[str] | None = None,
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: holds a YAML {type(data).__name__}, not a mapping of sections "
                               f"(model:, optim:, train:, ...): fix the file")
-        return from_dict(data, overrides, source=str(path))
+        try:
+            return from_dict(data, overrides, source=str(path))
+        except ConfigError as e:   # the file's name on every error (an override's key=value names itself)
+            raise ConfigError(str(e) if str(path) in str(e) else f"config {path}: {e}") from None
     return from_dict(data, overrides)
 
 
@@ -351,6 +360,9 @@ def from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = (),
         if "=" not in item:
             raise ConfigError(f"override '{item}': expected key=value, e.g. model.d_model=256")
         key, raw = item.split("=", 1)
+        if not all(key.strip().split(".")):
+            raise ConfigError(f"override '{item}': the key has an empty part: write section.key=value, "
+                              f"e.g. model.d_model=256")
         _set_dotted(data, key.strip(), raw.strip(), Config)
     if source is not None:
         _require_model(data.get("model") or {}, source)

@@ -41,6 +41,27 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+try:   # property-based tests (tests/test_props_*.py): a bounded number of examples unless asked for more
+    from hypothesis import HealthCheck, settings
+except ImportError:   # the test extra brings it; without it only those tests fail to import
+    pass
+else:
+    # ci: what `make test` and CI run (the tests/test_props_*.py set adds about PROPS_SECONDS on 2 cores);
+    # thorough: LAPLACE_HYPOTHESIS_PROFILE=thorough, 20x the examples, for a search after a change to
+    # what validates user files. No deadline: a first example may compile or import torch.
+    _common = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                         HealthCheck.too_slow, HealthCheck.data_too_large])
+    settings.register_profile("ci", max_examples=25, derandomize=True, print_blob=True, **_common)
+    settings.register_profile("thorough", max_examples=500, **_common)
+    settings.load_profile(os.environ.get("LAPLACE_HYPOTHESIS_PROFILE", "ci"))
+
+
+def examples(n: int) -> int:
+    """`n` examples under the ci profile, as many times more under another (for a test whose examples
+    cost seconds and so sets its own max_examples)."""
+    from hypothesis import settings
+    return max(1, n * settings.default.max_examples // 25)
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"   # scripts (`python benchmarks/x.py`); their helpers import as `import x`
 sys.path.insert(0, str(BENCHMARKS))
