@@ -507,7 +507,7 @@ def test_pipeline_manifest_max_token_id(tmp_path):
     with pytest.raises(DataError, match="lacks max_token_id"):
         pipeline.make_eval_batches(d, seq_len=16, batch_size=2, num_batches=1, vocab_size=VOCAB)
     d, _ = _synthetic(tmp_path / "str", [500], max_token_id="50256")
-    with pytest.raises(DataError, match=r"has max_token_id '50256', not a non-negative integer"):
+    with pytest.raises(DataError, match=r"max_token_id is '50256', not a non-negative integer"):
         pipeline.make_train_iterator(d, **kw)
 
 
