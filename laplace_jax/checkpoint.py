@@ -194,9 +194,13 @@ def read_meta(run_dir: str | Path, step: int) -> dict[str, Any]:
         meta = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise _unreadable(run_dir, step, e) from None
+    if not isinstance(meta, dict):
+        raise _unreadable(run_dir, step, ValueError(f"{path} holds a JSON {type(meta).__name__}, not an object"))
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint step {step} in {run_dir} has format {meta.get('format')!r}, "
                               f"expected {FORMAT!r}: it was not written by this version of laplace_jax")
+    if not isinstance(meta.get("config"), dict) or not isinstance(meta["config"].get("model"), dict):
+        raise _unreadable(run_dir, step, ValueError(f"{path} lacks the run's config (config.model)"))
     return meta
 
 
@@ -245,7 +249,7 @@ def load_params(run_dir: str | Path, step: int | None = None) -> tuple[dict[str,
         raise CheckpointError(f"step {step} is not in {run_dir}; available steps: {', '.join(map(str, steps))}")
     meta = read_meta(run_dir, step)
     try:
-        cfg = from_saved(meta["config"])
+        cfg = from_saved(meta["config"], f"{checkpoint_dir(run_dir) / str(step) / 'meta' / 'metadata'}'s config")
     except ConfigError as e:
         raise CheckpointError(f"checkpoint step {step} in {run_dir} has an invalid config ({e})") from None
     path = checkpoint_dir(run_dir) / str(step) / "params"   # the `params` item only: no optimizer state
