@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
+from export import atomic
 from export.torch_model import CONFIG_NAME, WEIGHTS_NAME
 from laplace_jax import spec
 from laplace_jax.spec import EOS_TOKEN_ID, Arch
@@ -131,10 +132,10 @@ def hf_config_dict(cfg: Arch, dtype: str, max_len: Optional[int] = None) -> dict
 
 
 def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ExportError(f"--out {out_dir}: exists and is not a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise ExportError(f"--out {out_dir}: directory is not empty; pass --overwrite or choose another")
+    try:
+        atomic.check_out_dir(out_dir, overwrite)
+    except atomic.OutDirError as e:
+        raise ExportError(str(e)) from None
 
 
 def _torch_dtype(dtype: str):
@@ -162,7 +163,8 @@ def export_params(params: dict, arch: Arch, out_dir, dtype: str = "float32", *,
     check_state_dict(expected_shapes(cfg), converted_shapes(params, cfg.num_layers), str(out))
     tensors = {name: _to_torch(view, tdtype)
                for name, view in iter_views(params, cfg.num_layers, release=release)}
-    write_hf_folder(out, cfg, tensors, dtype, step=step, tokenizer=tokenizer)
+    with atomic.staged_folder(out, overwrite) as tmp:   # whole or absent (export/atomic.py)
+        write_hf_folder(tmp, cfg, tensors, dtype, step=step, tokenizer=tokenizer)
     return out
 
 
@@ -177,7 +179,9 @@ def write_hf_folder(out: Path, cfg: Arch, tensors: dict, dtype: str, *, step: Op
 
     out.mkdir(parents=True, exist_ok=True)
     auto_map = write_remote_code(out)   # first: code that cannot be shipped fails before the weights are written
+    atomic.pause_point("code")
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+    atomic.pause_point("weights")
     hf = hf_config_dict(cfg, dtype, max_len)
     hf["auto_map"] = auto_map           # transformers' trust_remote_code entry points
     if step is not None:
@@ -186,6 +190,7 @@ def write_hf_folder(out: Path, cfg: Arch, tensors: dict, dtype: str, *, step: Op
     gen = {"bos_token_id": EOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID,
            "do_sample": False, "max_new_tokens": 48}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    atomic.pause_point("config")
     if tokenizer:
         save_tokenizer(out, cfg, max_len)
 

@@ -215,8 +215,13 @@ def test_non_empty_out_dir_refused(tmp_path, exported):
     (tmp_path / "junk.txt").write_text("x")
     with pytest.raises(ExportError, match="not empty.*--overwrite"):
         export_params(params, cfg, tmp_path, "float32")
-    export_params(params, cfg, tmp_path, "float32", overwrite=True, tokenizer=False)
-    assert (tmp_path / "model.safetensors").is_file()
+    with pytest.raises(ExportError, match=r"not a Laplace export \(junk.txt\)"):   # --overwrite replaces exports only
+        export_params(params, cfg, tmp_path, "float32", overwrite=True)
+    out = tmp_path / "o"
+    export_params(params, cfg, out, "bfloat16", tokenizer=False)
+    export_params(params, cfg, out, "float32", overwrite=True, tokenizer=False)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["junk.txt", "o"]   # no temporary sibling left
 
 
 def test_unknown_dtype_refused(tmp_path, exported):
