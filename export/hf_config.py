@@ -2,7 +2,12 @@
 
 Its fields are `laplace_jax.spec.Arch`'s config.json form (`Arch.to_json`): the architecture's own
 names, the generic names transformers and vLLM read, and `train_seq_len` for `seq_len`."""
+import os
+
 from transformers import PretrainedConfig
+
+from export.folder_check import read_arch
+from export.torch_model import CONFIG_NAME
 
 from laplace_jax.spec import EOS_TOKEN_ID, HF_GENERIC, Arch
 
@@ -22,6 +27,15 @@ class LaplaceHFConfig(PretrainedConfig):
         kwargs.setdefault("bos_token_id", EOS_TOKEN_ID)
         self.max_position_embeddings = kwargs.pop("max_position_embeddings")
         super().__init__(**kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """A local folder's config.json is read strictly first (folder_check.read_arch): a key left out
+        is an error naming it, not the 3B's value."""
+        folder = str(pretrained_model_name_or_path)
+        if os.path.isdir(folder):
+            read_arch(os.path.join(folder, CONFIG_NAME))
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 
     def arch(self) -> Arch:
         return Arch.from_json(self.to_dict())
