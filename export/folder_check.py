@@ -29,9 +29,35 @@ class FolderFileMissing(FolderError, FileNotFoundError):
     """config.json or model.safetensors is not there."""
 
 
+def json_keys() -> dict[str, str]:
+    """`spec.Arch` field → its config.json key."""
+    return {f.name: JSON_RENAMED.get(f.name, f.name) for f in dataclasses.fields(Arch)}
+
+
+def arch_from_json(d: dict, where: str) -> Arch:
+    """The architecture a config.json dict names (`where`: the file, for messages): every key present,
+    integers where the architecture counts, valid together, the generic names equal to ours."""
+    theirs = json_keys()
+    missing = [key for key in theirs.values() if key not in d]
+    if missing:
+        raise FolderError(f"{where}: lacks {missing[0]} (the architecture is not guessed): add it or {FIX}")
+    ints = [theirs[f.name] for f in dataclasses.fields(Arch) if f.type in (int, "int")]
+    bad = next((k for k in ints if isinstance(d[k], bool) or not isinstance(d[k], int)), None)
+    if bad is not None:
+        raise FolderError(f"{where}: {bad}={d[bad]!r}: must be an integer: edit it or {FIX}")
+    try:
+        arch = Arch(**{ours: d[key] for ours, key in theirs.items()})
+    except (ConfigError, TypeError) as e:
+        raise FolderError(f"{where}: {str(e).replace('model.', '')}: edit it or {FIX}") from None
+    for generic, ours in HF_GENERIC.items():
+        if generic in d and d[generic] != getattr(arch, ours):
+            raise FolderError(f"{where}: {generic}={d[generic]!r} but {theirs[ours]}={getattr(arch, ours)!r} "
+                              f"(vLLM and transformers read {generic}): make them equal")
+    return arch
+
+
 def read_arch(path: str) -> Arch:
-    """The architecture config.json (at `path`) names: every `spec.Arch` key, valid, agreeing with
-    the generic names (hidden_size, ...)."""
+    """The architecture config.json (at `path`) names (`arch_from_json`)."""
     try:
         with open(path, "rb") as f:
             d = json.loads(f.read().decode("utf-8"))
@@ -41,23 +67,7 @@ def read_arch(path: str) -> Arch:
         raise FolderError(f"{path}: unreadable ({type(e).__name__}): {FIX}") from None
     if not isinstance(d, dict):
         raise FolderError(f"{path}: holds a JSON {type(d).__name__}, not an object: {FIX}")
-    theirs = {f.name: JSON_RENAMED.get(f.name, f.name) for f in dataclasses.fields(Arch)}
-    missing = [key for key in theirs.values() if key not in d]
-    if missing:
-        raise FolderError(f"{path}: lacks {missing[0]} (the architecture is not guessed): add it or {FIX}")
-    ints = [f.name for f in dataclasses.fields(Arch) if f.type in (int, "int")]
-    bad = next((theirs[k] for k in ints if isinstance(d[theirs[k]], bool) or not isinstance(d[theirs[k]], int)), None)
-    if bad is not None:
-        raise FolderError(f"{path}: {bad}={d[bad]!r}: must be an integer: edit it or {FIX}")
-    try:
-        arch = Arch(**{ours: d[key] for ours, key in theirs.items()})
-    except (ConfigError, TypeError) as e:
-        raise FolderError(f"{path}: {str(e).replace('model.', '')}: edit it or {FIX}") from None
-    for generic, ours in HF_GENERIC.items():
-        if generic in d and d[generic] != getattr(arch, ours):
-            raise FolderError(f"{path}: {generic}={d[generic]!r} but {JSON_RENAMED.get(ours, ours)}="
-                              f"{getattr(arch, ours)!r} (vLLM and transformers read {generic}): make them equal")
-    return arch
+    return arch_from_json(d, path)
 
 
 def read_header(path: str) -> dict[str, Any]:

@@ -6,9 +6,8 @@ import os
 
 from transformers import PretrainedConfig
 
-from export.folder_check import read_arch
+from export.folder_check import arch_from_json, json_keys, read_arch
 from export.torch_model import CONFIG_NAME
-
 from laplace_jax.spec import EOS_TOKEN_ID, HF_GENERIC, Arch
 
 
@@ -16,7 +15,10 @@ class LaplaceHFConfig(PretrainedConfig):
     model_type = "laplace"
 
     def __init__(self, **kwargs):
-        arch = Arch.from_json({k: kwargs[k] for k in list(kwargs)})
+        # no architecture key: transformers' default instance (the 3B); some: all of them, or an error
+        # naming the first one left out (vLLM builds this class from config.json's dict, no path)
+        given = any(k in kwargs for k in json_keys().values())
+        arch = arch_from_json(kwargs, CONFIG_NAME) if given else Arch()
         for k in set(arch.to_json()) | set(HF_GENERIC):
             kwargs.pop(k, None)
         for k, v in arch.to_json().items():
