@@ -139,7 +139,7 @@ def write_run(run_dir, params, model_cfg, steps):
     import json
 
     import orbax.checkpoint as ocp
-    from laplace_jax.checkpoint import FORMAT, checkpoint_dir
+    from laplace_jax.checkpoint import FORMAT, checkpoint_dir, params_checksums
     from laplace_jax.config import config_to_dict, load_config
     full = dataclasses.replace(load_config("laplace_tiny"), model=model_cfg)   # the tiny run's other settings
     for step in steps:
@@ -149,7 +149,8 @@ def write_run(run_dir, params, model_cfg, steps):
         ckptr.wait_until_finished()
         (d / "meta").mkdir(parents=True)
         (d / "meta" / "metadata").write_text(json.dumps(
-            {"format": FORMAT, "step": step, "config": config_to_dict(full)}))
+            {"format": FORMAT, "step": step, "config": config_to_dict(full),
+             "params_checksum": params_checksums(params)}))
         (d / "train").mkdir()          # export must never read the optimizer state: junk here
         (d / "train" / "_METADATA").write_text("not a checkpoint")
 
