@@ -51,8 +51,8 @@ else:
     # what validates user files. No deadline: a first example may compile or import torch.
     _common = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                          HealthCheck.too_slow, HealthCheck.data_too_large])
-    settings.register_profile("ci", max_examples=25, derandomize=True, print_blob=True, **_common)
-    settings.register_profile("thorough", max_examples=500, **_common)
+    settings.register_profile("ci", max_examples=50, derandomize=True, print_blob=True, **_common)
+    settings.register_profile("thorough", max_examples=1000, **_common)
     settings.load_profile(os.environ.get("LAPLACE_HYPOTHESIS_PROFILE", "ci"))
 
 
@@ -60,7 +60,7 @@ def examples(n: int) -> int:
     """`n` examples under the ci profile, as many times more under another (for a test whose examples
     cost seconds and so sets its own max_examples)."""
     from hypothesis import settings
-    return max(1, n * settings.default.max_examples // 25)
+    return max(1, n * settings.default.max_examples // 50)
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"   # scripts (`python benchmarks/x.py`); their helpers import as `import x`

@@ -236,13 +236,13 @@ def test_mismatched_safetensors_clear_error(tmp_path, exported):
     bad = tmp_path / "bad"
     bad.mkdir()
     c = json.loads((out / "config.json").read_text())
-    c["d_k"], c["qkvg_dim"] = 8, 4 * (2 * 8 + 2 * 32)          # consistent config, wrong weights
+    c["d_k"], c["head_dim"], c["qkvg_dim"] = 8, 8, 4 * (2 * 8 + 2 * 32)   # consistent config, wrong weights
     (bad / "config.json").write_text(json.dumps(c))
     (bad / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes())
     with pytest.raises(ValueError, match=r"does not match .*config.json.*shape mismatch.*aug_balance"):
         LaplaceForCausalLM.from_pretrained(bad)
     c = json.loads((out / "config.json").read_text())
-    c["num_layers"] = 3
+    c["num_layers"] = c["num_hidden_layers"] = 3
     (bad / "config.json").write_text(json.dumps(c))
     with pytest.raises(ValueError, match=r"missing \(e\.g\. layers\.2\."):
         LaplaceForCausalLM.from_pretrained(bad)
