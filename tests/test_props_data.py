@@ -62,8 +62,9 @@ def _node(m, dotted: str):
             node = node[key]
         except (KeyError, IndexError, TypeError):
             return None
-    last = int(parts[-1]) if isinstance(node, list) and parts[-1].isdigit() else parts[-1]
-    return (node, last) if isinstance(node, (dict, list)) else None
+    if isinstance(node, list):
+        return (node, int(parts[-1])) if parts[-1].isdigit() else None
+    return (node, parts[-1]) if isinstance(node, dict) else None
 
 
 def _edit_manifest(m: dict, edits) -> dict:
