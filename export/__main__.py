@@ -37,9 +37,10 @@ def main(argv=None) -> int:
                                              "1.5x the float32 parameters (3B: ~18 GB).")
     ap.add_argument("--checkpoint", required=True, help="training run directory")
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-    ap.add_argument("--out", required=True, help="output directory (must be empty)")
+    ap.add_argument("--out", required=True, help="output directory (new or empty; written whole or not at all)")
     ap.add_argument("--dtype", default="float32", help=f"weight dtype: {' | '.join(DTYPES)}")
-    ap.add_argument("--overwrite", action="store_true", help="allow a non-empty --out")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace an earlier export at --out, once the new one is complete (export/atomic.py)")
     a = ap.parse_args(argv)
     from laplace_jax.checkpoint import CheckpointError   # jax and orbax: imported once there is work
     try:

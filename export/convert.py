@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
+from export import atomic
 from export.file_mode import set_plain_file_mode
 from export.torch_model import CONFIG_NAME, WEIGHTS_NAME
 from laplace_jax import spec
@@ -132,10 +133,10 @@ def hf_config_dict(cfg: Arch, dtype: str, max_len: Optional[int] = None) -> dict
 
 
 def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ExportError(f"--out {out_dir}: exists and is not a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise ExportError(f"--out {out_dir}: directory is not empty; pass --overwrite or choose another")
+    try:
+        atomic.check_out_dir(out_dir, overwrite)
+    except atomic.OutDirError as e:
+        raise ExportError(str(e)) from None
 
 
 def _torch_dtype(dtype: str):
@@ -163,7 +164,8 @@ def export_params(params: dict, arch: Arch, out_dir, dtype: str = "float32", *,
     check_state_dict(expected_shapes(cfg), converted_shapes(params, cfg.num_layers), str(out))
     tensors = {name: _to_torch(view, tdtype)
                for name, view in iter_views(params, cfg.num_layers, release=release)}
-    write_hf_folder(out, cfg, tensors, dtype, step=step, tokenizer=tokenizer, max_len=max_len)
+    with atomic.staged_folder(out, overwrite) as tmp:   # whole or absent (export/atomic.py)
+        write_hf_folder(tmp, cfg, tensors, dtype, step=step, tokenizer=tokenizer, max_len=max_len)
     return out
 
 
@@ -178,8 +180,10 @@ def write_hf_folder(out: Path, cfg: Arch, tensors: dict, dtype: str, *, step: Op
 
     out.mkdir(parents=True, exist_ok=True)
     auto_map = write_remote_code(out)   # first: code that cannot be shipped fails before the weights are written
+    atomic.pause_point("code")
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
     set_plain_file_mode(out / WEIGHTS_NAME)   # safetensors writes it 0600 (a private temp file, renamed)
+    atomic.pause_point("weights")
     hf = hf_config_dict(cfg, dtype, max_len)
     hf["auto_map"] = auto_map           # transformers' trust_remote_code entry points
     if step is not None:
@@ -188,6 +192,7 @@ def write_hf_folder(out: Path, cfg: Arch, tensors: dict, dtype: str, *, step: Op
     # no max_new_tokens: vLLM would take it as every request's default max_tokens
     gen = {"bos_token_id": EOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    atomic.pause_point("config")
     if tokenizer:
         save_tokenizer(out, cfg, max_len)
 

@@ -11,6 +11,7 @@ size is fixed whatever the length, so a step costs the same at token 10 and toke
 batch is prefilled one row at a time over its real tokens (the state must not absorb padding);
 decoding then runs the whole batch at once.
 """
+import os
 from typing import Optional
 
 import torch
@@ -18,6 +19,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from export.folder_check import check_folder
 from export.hf_config import LaplaceHFConfig
 from export.torch_model import LaplaceForCausalLM as LaplaceTorchLM
 from export.torch_model import LaplaceMixer, Norm
@@ -71,6 +73,14 @@ class LaplaceForCausalLM(PreTrainedModel, GenerationMixin):
         self._modules = core._modules
         object.__setattr__(self, "core", core)   # unregistered: its modules are already ours
         self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """A local folder is checked whole first (folder_check): config.json against the weights'
+        header, one line naming what disagrees, before transformers allocates anything."""
+        if os.path.isdir(str(pretrained_model_name_or_path)):
+            check_folder(str(pretrained_model_name_or_path))
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:

@@ -13,7 +13,6 @@ State per layer (float32): ``conv [B, C, D]`` (the last C layer-normed inputs, o
 The math (conv, chunked and one-step GLA, gated_mix, LayerNorm) is export/reference.py's, which
 the vLLM model's torch path runs too; this module holds the modules, state and loading.
 """
-import json
 import os
 from typing import Optional
 
@@ -29,9 +28,9 @@ WEIGHTS_NAME = "model.safetensors"
 
 
 def read_config(path: str) -> Arch:
-    """The architecture from an exported folder's config.json (`spec.Arch.from_json`)."""
-    with open(path) as f:
-        return Arch.from_json(json.load(f))
+    """The architecture from an exported folder's config.json, every key required (folder_check)."""
+    from export.folder_check import read_arch
+    return read_arch(path)
 
 
 class LaplaceMixer(nn.Module):
@@ -181,16 +180,9 @@ class LaplaceForCausalLM(nn.Module):
     def from_pretrained(cls, path, dtype: torch.dtype = torch.float32, device="cpu") -> "LaplaceForCausalLM":
         from safetensors.torch import load_file
 
-        cfg_path = os.path.join(path, CONFIG_NAME)
-        w_path = os.path.join(path, WEIGHTS_NAME)
-        for p in (cfg_path, w_path):
-            if not os.path.isfile(p):
-                raise FileNotFoundError(f"{p}: missing; export a checkpoint with `python -m export`")
-        cfg = read_config(cfg_path)
-        with torch.device("meta"):
-            model = cls(cfg)
-        tensors = load_file(w_path)
-        check_state_dict(model.expected_shapes(), {k: tuple(v.shape) for k, v in tensors.items()}, path)
+        from export.folder_check import check_folder
+        cfg = check_folder(str(path))   # config.json whole, the weights' names and shapes its model's
+        tensors = load_file(os.path.join(path, WEIGHTS_NAME))
         model = cls(cfg)
         model.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()}, strict=True)
         return model.to(device=device, dtype=dtype).eval()

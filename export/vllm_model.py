@@ -28,6 +28,7 @@ vLLM internals used (checked on 0.32 CPU and by reading 0.26): `MambaBase`, `IsA
 `compilation_config.static_forward_context`, `direct_register_custom_op`.
 Do NOT add `from __future__ import annotations` here (breaks vLLM's dynamic-shape detection).
 """
+import os
 from collections.abc import Iterable
 from typing import Optional
 
@@ -42,6 +43,7 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from export import prefix_cache
+from export.folder_check import check_folder
 from export.ops import conv, gated_mix, gla_decode, gla_prefill, triton_switch, warmup
 from export.reference import layer_norm
 from export.torch_model import LaplaceMixer, Norm, check_state_dict
@@ -55,6 +57,14 @@ except ImportError:  # pragma: no cover
 
 def _laplace_config(hf_config) -> Arch:
     return hf_config.arch() if hasattr(hf_config, "arch") else Arch.from_json(hf_config.to_dict())
+
+
+def checked_arch(vllm_config: VllmConfig) -> Arch:
+    """The architecture to serve: a local folder is checked whole first (export/folder_check.py: every
+    config.json key present, the weights' names and shapes its model's; one line naming what is not),
+    before vLLM sizes a state cache or allocates a weight from it."""
+    folder = str(vllm_config.model_config.model)
+    return check_folder(folder) if os.path.isdir(folder) else _laplace_config(vllm_config.model_config.hf_config)
 
 
 def state_shapes(cfg: Arch):
@@ -351,6 +361,7 @@ class LaplaceForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsMamb
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         self.vllm_config = vllm_config
+        checked_arch(vllm_config)
         self.backbone = LaplaceVllmBackbone(vllm_config=vllm_config, prefix=prefix)
         cfg = self.backbone.cfg
         self.config = vllm_config.model_config.hf_config
@@ -359,7 +370,7 @@ class LaplaceForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsMamb
     # --- state description (classmethods used by some vLLM paths)
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
-        return state_shapes(_laplace_config(vllm_config.model_config.hf_config))
+        return state_shapes(checked_arch(vllm_config))
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import grain
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -60,10 +61,63 @@ def make_manager(run_dir: str | Path, *, keep: int, async_save: bool = True) -> 
 def save(mngr: ocp.CheckpointManager, step: int, params: Any, train: Any, data_iter: Any,
          cfg: Config, *, force: bool = True) -> None:
     """Start an (async) save of everything a bit-exact resume needs."""
-    meta = {"format": FORMAT, "step": int(step), "config": config_to_dict(cfg)}
+    meta = {"format": FORMAT, "step": int(step), "config": config_to_dict(cfg),
+            "params_checksum": params_checksums(params)}
     mngr.save(step, args=ocp.args.Composite(
         params=ocp.args.StandardSave(params), train=ocp.args.StandardSave(train),
         data=grain.checkpoint.CheckpointSave(data_iter), meta=ocp.args.JsonSave(meta)), force=force)
+
+
+# ----------------------------------------------------------------------------- checksums
+# orbax stores arrays without a checksum: a byte changed in a params file loads as another weight,
+# silently (found by tests/test_props_checkpoint.py). Each float32 leaf's checksum is the sum of its
+# bit patterns (as uint32) times odd position weights 2i+1, mod 2**32: integer sums are exact in any
+# order (devices, shards, chunks agree), and an odd weight is invertible mod 2**32, so a change in any
+# one word always changes it.
+_CHUNK = 1 << 20
+
+
+@jax.jit
+def _device_checksums(tree: Any) -> Any:
+    def one(x):
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+        w = (2 * jax.lax.iota(jnp.uint32, x.size) + 1).reshape(x.shape)
+        return jnp.sum(bits * w, dtype=jnp.uint32)
+    return jax.tree.map(one, tree)
+
+
+def _host_checksum(a: np.ndarray) -> int:
+    bits = np.ascontiguousarray(a).view(np.uint32).reshape(-1)
+    total = 0
+    for lo in range(0, bits.size, _CHUNK):   # small temporaries: export holds a 3B model's leaves
+        w = 2 * np.arange(lo, min(lo + _CHUNK, bits.size), dtype=np.uint32) + np.uint32(1)
+        total = (total + int(np.sum(bits[lo:lo + _CHUNK] * w, dtype=np.uint32))) % 2 ** 32
+    return total
+
+
+def _leaf_names(tree: Any) -> list[str]:
+    return ["/".join(str(getattr(k, "key", k)) for k in path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def params_checksums(params: Any) -> dict[str, int]:
+    """{leaf path ("layers/w_3"): checksum} of a float32 parameter tree (jax or numpy arrays)."""
+    leaves = jax.tree.leaves(params)
+    if all(isinstance(x, np.ndarray) for x in leaves):
+        sums = [_host_checksum(x) for x in leaves]
+    else:
+        sums = [int(x) for x in jax.device_get(jax.tree.leaves(_device_checksums(params)))]
+    return dict(zip(_leaf_names(params), sums))
+
+
+def verify_checksums(run_dir: str | Path, step: int, params: Any, saved: Any) -> None:
+    """`CheckpointError` if a leaf's checksum differs from the one saved with it (`saved`: meta's
+    params_checksum; a checkpoint written before checksums has none: nothing to check)."""
+    if not isinstance(saved, dict):
+        return
+    for name, got in params_checksums(params).items():
+        if name in saved and saved[name] != got:
+            raise _unreadable(run_dir, step, ValueError(f"params/{name} does not match the checksum saved "
+                                                        f"with it: a file of it was damaged or changed"))
 
 
 _SPACE_FIX = "free up space on that disk or move the run dir to a larger one, then resume with the same command"
@@ -194,9 +248,13 @@ def read_meta(run_dir: str | Path, step: int) -> dict[str, Any]:
         meta = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise _unreadable(run_dir, step, e) from None
+    if not isinstance(meta, dict):
+        raise _unreadable(run_dir, step, ValueError(f"{path} holds a JSON {type(meta).__name__}, not an object"))
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint step {step} in {run_dir} has format {meta.get('format')!r}, "
                               f"expected {FORMAT!r}: it was not written by this version of laplace_jax")
+    if not isinstance(meta.get("config"), dict) or not isinstance(meta["config"].get("model"), dict):
+        raise _unreadable(run_dir, step, ValueError(f"{path} lacks the run's config (config.model)"))
     return meta
 
 
@@ -228,6 +286,7 @@ def restore(mngr: ocp.CheckpointManager, run_dir: str | Path, step: int, abstrac
                 f"resume with the run's own optim settings (see {Path(run_dir) / 'config.yaml'}) or use a new --run-dir"
             ) from None
         raise _unreadable(run_dir, step, e) from None
+    verify_checksums(run_dir, step, out["params"], read_meta(run_dir, step).get("params_checksum"))
     return out["params"], out["train"]
 
 
@@ -245,7 +304,7 @@ def load_params(run_dir: str | Path, step: int | None = None) -> tuple[dict[str,
         raise CheckpointError(f"step {step} is not in {run_dir}; available steps: {', '.join(map(str, steps))}")
     meta = read_meta(run_dir, step)
     try:
-        cfg = from_saved(meta["config"])
+        cfg = from_saved(meta["config"], f"{checkpoint_dir(run_dir) / str(step) / 'meta' / 'metadata'}'s config")
     except ConfigError as e:
         raise CheckpointError(f"checkpoint step {step} in {run_dir} has an invalid config ({e})") from None
     path = checkpoint_dir(run_dir) / str(step) / "params"   # the `params` item only: no optimizer state
@@ -253,6 +312,7 @@ def load_params(run_dir: str | Path, step: int | None = None) -> tuple[dict[str,
         params = _restore_numpy(path, param_shapes(cfg.model))
     except Exception as e:
         raise _unreadable(run_dir, step, e) from None
+    verify_checksums(run_dir, step, params, meta.get("params_checksum"))
     return params, cfg, step
 
 

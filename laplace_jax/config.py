@@ -139,6 +139,9 @@ class Config:
 
 PALLAS_IMPL_KEYS = ("gla_impl", "mix_impl")   # execution keys choosing between XLA and Pallas GPU kernels
 EXECUTION_KEYS = tuple(f.name for f in dataclasses.fields(Execution))
+# What a config file must name: the architecture's shape. A file without them would train the
+# defaults' 3B model, which nobody asks for by leaving a key out (numerics keep their defaults).
+MODEL_KEYS = tuple(f.name for f in dataclasses.fields(Arch) if f.name not in ("norm_eps", "init_std"))
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -159,6 +162,8 @@ def validate(cfg: Config) -> Config:
                 _check(math.isfinite(v), f"{prefix}{f.name}={v}: must be a finite number")
             if is_choice(hints[f.name]):   # every string choice is one of its Literal's values
                 check_choice(f"{prefix}{f.name}", v, hints[f.name], ConfigError)
+            elif isinstance(v, int) and not isinstance(v, bool):   # counts, sizes and seeds reach int32 code
+                _check(abs(v) < 2 ** 31, f"{prefix}{f.name}={v}: must be below 2**31")
     m, e = cfg.model, cfg.execution
     o = cfg.optim
     _check(o.lr > 0, f"optim.lr={o.lr}: must be positive")
@@ -177,6 +182,8 @@ def validate(cfg: Config) -> Config:
     _check(t.batch_tokens % m.seq_len == 0,
            f"train.batch_tokens={t.batch_tokens} is not a multiple of model.seq_len={m.seq_len}: "
            f"use a multiple of {m.seq_len}")
+    for key, seed in (("train.seed", cfg.train.seed), ("data.shuffle_seed", cfg.data.shuffle_seed)):
+        _check(0 <= seed < 2 ** 31, f"{key}={seed}: must be in [0, 2**31)")   # jax's PRNGKey takes 32 bits
     _check(cfg.mesh.data > 0, f"mesh.data={cfg.mesh.data}: must be positive")
     _check(cfg.mesh.fsdp == -1 or cfg.mesh.fsdp > 0, f"mesh.fsdp={cfg.mesh.fsdp}: must be positive or -1 (all devices)")
     _check(0 <= cfg.data.val_fraction < 1, f"data.val_fraction={cfg.data.val_fraction}: must be in [0, 1)")
@@ -252,7 +259,9 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
 
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(data).__name__}")
+        where = prefix.rstrip('.') or 'config'
+        raise ConfigError(f"{where}: expected a mapping of keys, got a {type(data).__name__}: write `{where}:` "
+                          f"followed by indented `key: value` lines")
     hints = _hints(cls)
     kwargs = {}
     names = [f.name for f in dataclasses.fields(cls)]
@@ -319,17 +328,43 @@ def load_config(name_or_path: str | os.PathLike[str] | None = None,
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: holds a YAML {type(data).__name__}, not a mapping of sections "
                               f"(model:, optim:, train:, ...): fix the file")
+        try:
+            return from_dict(data, overrides, source=str(path))
+        except ConfigError as e:   # the file's name on every error (an override's key=value names itself)
+            raise ConfigError(str(e) if str(path) in str(e) else f"config {path}: {e}") from None
     return from_dict(data, overrides)
 
 
-def from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = (), *,
+              source: str | None = None) -> Config:
+    """`data` (YAML sections) with `overrides` applied, validated. With `source` (the file it came
+    from), the model must be named: every `MODEL_KEYS` key, in the data or an override."""
     data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}': expected key=value, e.g. model.d_model=256")
         key, raw = item.split("=", 1)
+        if not all(key.strip().split(".")):
+            raise ConfigError(f"override '{item}': the key has an empty part: write section.key=value, "
+                              f"e.g. model.d_model=256")
         _set_dotted(data, key.strip(), raw.strip(), Config)
+    if source is not None:
+        _require_model(data.get("model") or {}, source)
     return validate(_build(Config, data, ""))
+
+
+def _require_model(model: Any, source: str) -> None:
+    if not isinstance(model, dict):
+        return   # _build names the type
+    names = [f.name for f in dataclasses.fields(Arch)]
+    for key in model:   # a misspelt key is the better message than the key it leaves missing
+        if key not in names:
+            raise _unknown(f"model.{key}", key, names)
+    missing = [k for k in MODEL_KEYS if k not in model]
+    if missing:
+        what = "names no model" if len(missing) == len(MODEL_KEYS) else f"lacks model.{missing[0]}"
+        raise ConfigError(f"{source} {what}: a config names the whole architecture ({', '.join(missing)} "
+                          f"missing): copy the model: section of configs/{DEFAULT_CONFIG}.yaml and edit it")
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:
@@ -338,15 +373,19 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
     return d
 
 
-def from_saved(data: dict[str, Any]) -> Config:
+def from_saved(data: dict[str, Any], source: str = "the saved config") -> Config:
     """A config saved in a run dir or checkpoint. Those written before execution choices had their
     own section hold them under `model`: they move to `execution` (the saved values still apply)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source} is a {type(data).__name__}, not a mapping of sections")
     data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
-    model = data.get("model") or {}
-    moved = {k: model.pop(k) for k in list(model) if k in EXECUTION_KEYS}
-    if moved:
-        data["execution"] = {**moved, **(data.get("execution") or {})}
-    return from_dict(data)
+    model = data.get("model")
+    if isinstance(model, dict):
+        moved = {k: model.pop(k) for k in list(model) if k in EXECUTION_KEYS}
+        if moved:
+            execution = data.get("execution") or {}
+            data["execution"] = {**moved, **execution} if isinstance(execution, dict) else execution
+    return from_dict(data, source=source)
 
 
 def resolve_execution(cfg: Config, backend: str, *, gspmd: bool = False) -> Config:

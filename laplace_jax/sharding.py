@@ -17,14 +17,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from laplace_jax import spec
-from laplace_jax.config import MeshConfig
+from laplace_jax.config import ConfigError, MeshConfig
 from laplace_jax.optim.optimizer import key_name
 
 DATA, FSDP = "data", "fsdp"
 BATCH_AXES = (DATA, FSDP)
 
 
-class MeshError(ValueError):
+class MeshError(ConfigError):
     """The mesh shape does not fit the devices."""
 
 

@@ -42,6 +42,28 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 from laplace_jax.numerics import U_FLOAT32, sum_error  # noqa: E402
+try:   # property-based tests (tests/test_props_*.py): a bounded number of examples unless asked for more
+    from hypothesis import HealthCheck, settings
+except ImportError:   # the test extra brings it; without it only those tests fail to import
+    pass
+else:
+    # ci: what `make test` and CI run (tests/test_props_*.py and test_export_atomic.py together: 94 s wall,
+    # 60 s CPU on 2 shared cores, most of it their 13 command-line subprocesses and one vLLM start);
+    # thorough: LAPLACE_HYPOTHESIS_PROFILE=thorough, 20x the examples, for a search after a change to
+    # what validates user files. No deadline: a first example may compile or import torch.
+    _common = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                         HealthCheck.too_slow, HealthCheck.data_too_large])
+    settings.register_profile("ci", max_examples=50, derandomize=True, print_blob=True, **_common)
+    settings.register_profile("thorough", max_examples=1000, **_common)
+    settings.load_profile(os.environ.get("LAPLACE_HYPOTHESIS_PROFILE", "ci"))
+
+
+def examples(n: int) -> int:
+    """`n` examples under the ci profile, as many times more under another (for a test whose examples
+    cost seconds and so sets its own max_examples)."""
+    from hypothesis import settings
+    return max(1, n * settings.default.max_examples // 50)
+
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"   # scripts (`python benchmarks/x.py`); their helpers import as `import x`
@@ -136,7 +158,7 @@ def write_run(run_dir, params, model_cfg, steps):
     import json
 
     import orbax.checkpoint as ocp
-    from laplace_jax.checkpoint import FORMAT, checkpoint_dir
+    from laplace_jax.checkpoint import FORMAT, checkpoint_dir, params_checksums
     from laplace_jax.config import config_to_dict, load_config
     full = dataclasses.replace(load_config("laplace_tiny"), model=model_cfg)   # the tiny run's other settings
     for step in steps:
@@ -146,7 +168,8 @@ def write_run(run_dir, params, model_cfg, steps):
         ckptr.wait_until_finished()
         (d / "meta").mkdir(parents=True)
         (d / "meta" / "metadata").write_text(json.dumps(
-            {"format": FORMAT, "step": step, "config": config_to_dict(full)}))
+            {"format": FORMAT, "step": step, "config": config_to_dict(full),
+             "params_checksum": params_checksums(params)}))
         (d / "train").mkdir()          # export must never read the optimizer state: junk here
         (d / "train" / "_METADATA").write_text("not a checkpoint")
 

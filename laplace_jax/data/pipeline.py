@@ -69,7 +69,7 @@ import grain
 import numpy as np
 
 from laplace_jax.data.corpus import DataError
-from laplace_jax.data.prepare import DTYPE, FORMAT, MANIFEST, SPLITS
+from laplace_jax.data.prepare import MANIFEST, SPLITS, check_manifest
 
 _PREPARE_HINT = "python -m laplace_jax.data.prepare --input PATH --out DIR"
 
@@ -97,24 +97,9 @@ def load_manifest(data_dir: str | os.PathLike[str]) -> dict:
         raise DataError(f"data path {str(d)!r} {what}: {_fix(d)}")
     try:
         m = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DataError(f"{p} is unreadable ({type(e).__name__}): re-run `{_PREPARE_HINT} --force`") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("dtype") != DTYPE:
-        raise DataError(f"{p} is not a {FORMAT} manifest with dtype {DTYPE}: re-run `{_PREPARE_HINT} --force`")
-    return m
-
-
-def manifest_max_token_id(manifest: dict, manifest_path: Path) -> int:
-    """The largest token id of the corpus, as `prepare` recorded it (no shard is read)."""
-    top = manifest.get("max_token_id")
-    if top is None:
-        raise DataError(f"{manifest_path} lacks max_token_id, needed to check token ids against the model's "
-                        f"vocab without reading every shard: {_reprepare(manifest_path.parent)} (or add "
-                        f"\"max_token_id\": <largest id in its shards> to it)")
-    if isinstance(top, bool) or not isinstance(top, int) or top < 0:
-        raise DataError(f"{manifest_path} has max_token_id {top!r}, not a non-negative integer: "
-                        f"{_reprepare(manifest_path.parent)}")
-    return top
+    return check_manifest(m, p, _reprepare(d))
 
 
 def window_pieces(start: int, length: int, ends: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -165,10 +150,12 @@ class TokenWindows:
             raise DataError(f"the {split} split of {self.data_dir} has {self.num_tokens} tokens, fewer than "
                             f"seq_len+1={self.seq_len + 1}: prepare more text or use a shorter seq_len")
         for f, n in zip(self.files, sizes):
-            if not f.is_file() or f.stat().st_size != 2 * n:
-                raise DataError(f"shard {f} is missing or truncated (want {n} tokens): "
-                                f"{_reprepare(self.data_dir)}")
-        self.max_token_id = manifest_max_token_id(self.manifest, self.data_dir / MANIFEST)
+            if not f.is_file():
+                raise DataError(f"shard {f} is missing: {_reprepare(self.data_dir)}")
+            if f.stat().st_size != 2 * n:   # short, long, or another dtype
+                raise DataError(f"shard {f} holds {f.stat().st_size:,} bytes, {MANIFEST} says {n:,} uint16 "
+                                f"tokens ({2 * n:,} bytes): {_reprepare(self.data_dir)}")
+        self.max_token_id = self.manifest["max_token_id"]
         if self.max_token_id >= self.vocab_size:
             raise DataError(f"{self.data_dir / MANIFEST} records max_token_id {self.max_token_id}: the "
                             f"corpus holds token id {self.max_token_id} >= model vocab_size {self.vocab_size}: "

@@ -172,23 +172,79 @@ def _fingerprint(sources: list[dict], val_fraction: float, shard_tokens: int) ->
             "shard_tokens": int(shard_tokens), "sources": sources}
 
 
+def _count(value, path: Path, key: str, fix: str) -> int:
+    """A manifest field that must be a non-negative integer."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise DataError(f"{path}: {key} is {value!r}, not a non-negative integer: {fix}")
+    return value
+
+
+def check_manifest(m, path: Path, fix: str) -> dict:
+    """`m` (manifest.json's content at `path`) as the loader reads it, or a `DataError` naming the
+    field and `fix`: the format and dtype, the splits' shard lists (<split>_00000.bin, ... in stream
+    order, token counts that add up to the split's and the corpus's), max_token_id within the tokenizer's vocab.
+    Unknown fields are kept (older or newer writers' extras). Reads no shard."""
+    if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("dtype") != DTYPE:
+        raise DataError(f"{path} is not a {FORMAT} manifest with dtype {DTYPE}: {fix}")
+    if m.get("byte_order", "little") != "little":
+        raise DataError(f"{path}: byte_order is {m.get('byte_order')!r}, the loader reads little-endian "
+                        f"uint16: {fix}")
+    splits, seen, total = m.get("splits"), set(), 0
+    if not isinstance(splits, dict):
+        raise DataError(f"{path}: splits is {splits!r}, not a mapping of {', '.join(SPLITS)}: {fix}")
+    for split in SPLITS:
+        info = splits.get(split)
+        shards = info.get("shards") if isinstance(info, dict) else None
+        if not isinstance(shards, list):
+            raise DataError(f"{path}: splits.{split}.shards is missing or not a list: {fix}")
+        tokens = 0
+        for i, s in enumerate(shards):
+            key = f"splits.{split}.shards[{i}]"
+            name = s.get("file") if isinstance(s, dict) else None
+            if name != f"{split}_{i:05d}.bin":   # as _SplitWriter names them: another split's shard (training
+                # on held-out text), one listed twice or out of stream order is an edited list
+                raise DataError(f"{path}: {key}.file is {name!r}, not {split}_{i:05d}.bin (a split's shards are "
+                                f"numbered in stream order): {fix}")
+            seen.add(name)
+            tokens += _count(s.get("tokens"), path, f"{key}.tokens", fix)
+        if _count(info.get("tokens"), path, f"splits.{split}.tokens", fix) != tokens:
+            raise DataError(f"{path}: splits.{split}.tokens is {info['tokens']}, its shards hold {tokens}: {fix}")
+        total += tokens
+    if "tokens" in m and _count(m["tokens"], path, "tokens", fix) != total:
+        raise DataError(f"{path}: tokens is {m['tokens']}, the splits hold {total}: {fix}")
+    if m.get("max_token_id") is None:
+        raise DataError(f"{path} lacks max_token_id, needed to check token ids against the model's vocab "
+                        f"without reading every shard: {fix} (or add \"max_token_id\": <largest id in its "
+                        f"shards> to it)")
+    top = _count(m["max_token_id"], path, "max_token_id", fix)
+    if "vocab_size" in m and top >= _count(m["vocab_size"], path, "vocab_size", fix):
+        raise DataError(f"{path}: max_token_id {top} is not below the tokenizer's vocab_size {m['vocab_size']}: {fix}")
+    stray = sorted(p.name for split in SPLITS for p in path.parent.glob(f"{split}_*.bin") if p.name not in seen)
+    if stray:
+        raise DataError(f"{path.parent} holds shard {stray[0]}, which {MANIFEST} does not list (another "
+                        f"dataset's?): {fix}")
+    return m
+
+
 def read_manifest(out_dir: str | os.PathLike[str]) -> dict | None:
     """The manifest of a prepared folder, or None if absent/unreadable."""
     p = Path(out_dir) / MANIFEST
     try:
         m = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
     return m if isinstance(m, dict) and m.get("format") == FORMAT else None
 
 
-def _shards_intact(out: Path, manifest: dict) -> bool:
+def _intact(out: Path, manifest: dict) -> bool:
+    """The manifest is whole (`check_manifest`) and its shards have their sizes."""
     try:
+        check_manifest(manifest, out / MANIFEST, "")
         for split in SPLITS:
             for s in manifest["splits"][split]["shards"]:
                 if (out / s["file"]).stat().st_size != 2 * s["tokens"]:
                     return False
-    except (OSError, KeyError, TypeError):
+    except (OSError, DataError):
         return False
     return True
 
@@ -225,8 +281,10 @@ def _check_out_dir(out: Path) -> None:
 
 def _difference(old: dict, new: dict) -> str:
     """What differs between two fingerprints, in words (for the refusal message)."""
-    def paths(fp):
-        return [s.get("path") for s in fp.get("sources", [])]
+    def paths(fp):   # a hand-edited manifest may hold anything
+        sources = fp.get("sources") if isinstance(fp, dict) else None
+        return [s.get("path") if isinstance(s, dict) else s for s in sources] if isinstance(sources, list) else []
+    old = old if isinstance(old, dict) else {}
     if paths(old) != paths(new):
         return f"inputs ({', '.join(map(str, paths(old)[:2]))}{', ...' if len(paths(old)) > 2 else ''})"
     if old.get("sources") != new.get("sources"):
@@ -269,7 +327,7 @@ def prepare(inputs, out_dir: str | os.PathLike[str], *, val_fraction: float = DE
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)   # concurrent callers (e.g. 2 local processes) wait here
         old = read_manifest(out)
-        if old is not None and old.get("fingerprint") == fp and _shards_intact(out, old) and not force:
+        if old is not None and old.get("fingerprint") == fp and _intact(out, old) and not force:
             _log(f"prepare: {out} is up to date ({old['splits']['train']['tokens']:,} train / "
                  f"{old['splits']['val']['tokens']:,} val tokens); nothing to do", quiet)
             return old

@@ -12,6 +12,8 @@ import json
 import sys
 from pathlib import Path
 
+from laplace_jax.cli import EXIT_USAGE, Parser
+
 TASKS = ("held-out", "length", "passkey", "mqar")
 TEXT_TASKS = ("held-out", "length", "passkey")
 
@@ -25,7 +27,7 @@ def _ints(s: str) -> list[int]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m laplace_jax.eval", description=__doc__.split("\n\n")[1])
+    ap = Parser(prog="python -m laplace_jax.eval", description=__doc__.split("\n\n")[1])
     ap.add_argument("--checkpoint", required=True, help="a training run dir (RUN_DIR)")
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     ap.add_argument("--data", default=None, help="prepared data folder for the text tasks "
@@ -205,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                    "compute_dtype": ckpt.cfg.execution.compute_dtype, "tasks": run_tasks(ckpt, tasks, args)}
     except (CheckpointError, ConfigError, DataError, EvalError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_USAGE   # what the user gave: fix it and run again, as every entry point
     out = Path(args.out) if args.out else ckpt.run_dir / "eval" / f"step_{ckpt.step}"
     files = write_outputs(results, out)
     print("\n".join(summary_lines(results)))

@@ -205,7 +205,7 @@ def test_prepare_killed_midway_leaves_previous_output(small_data, tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     now = prep.read_manifest(out)
-    assert now is not None and prep._shards_intact(out, now)
+    assert now is not None and prep._intact(out, now)
     assert now == m or now["documents"] == 10033   # the old output, or (if it finished first) the new one
 
 
@@ -507,7 +507,7 @@ def test_pipeline_manifest_max_token_id(tmp_path):
     with pytest.raises(DataError, match="lacks max_token_id"):
         pipeline.make_eval_batches(d, seq_len=16, batch_size=2, num_batches=1, vocab_size=VOCAB)
     d, _ = _synthetic(tmp_path / "str", [500], max_token_id="50256")
-    with pytest.raises(DataError, match=r"has max_token_id '50256', not a non-negative integer"):
+    with pytest.raises(DataError, match=r"max_token_id is '50256', not a non-negative integer"):
         pipeline.make_train_iterator(d, **kw)
 
 

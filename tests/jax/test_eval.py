@@ -288,7 +288,7 @@ def test_cli_errors_are_one_line(text_run, tmp_path):
              (["--checkpoint", run, "--tasks", "held-out", "--data", tmp_path / "gone"], "does not exist")]
     for args, words in cases:
         p = _cli("laplace_jax.eval", *args)
-        assert p.returncode == 1 and p.stderr.startswith("error: ") and words in p.stderr, p.stderr[-2000:]
+        assert p.returncode == 2 and p.stderr.startswith("error: ") and words in p.stderr, p.stderr[-2000:]
         assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
 
 
@@ -311,4 +311,4 @@ def test_tiny_model_learns_mqar_above_chance_at_short_distances(tmp_path):
     # chance is 1/16; five binomial standard deviations above it is not luck
     assert acc > p0 + 5 * math.sqrt(p0 * (1 - p0) / n), (acc, n, r["buckets"])
     p = _cli("laplace_jax.eval", "--checkpoint", run, "--tasks", "held-out")
-    assert p.returncode == 1 and "data.source=mqar" in p.stderr and p.stderr.count("\n") == 1
+    assert p.returncode == 2 and "data.source=mqar" in p.stderr and p.stderr.count("\n") == 1

@@ -244,8 +244,13 @@ def test_non_empty_out_dir_refused(tmp_path, exported):
     (tmp_path / "junk.txt").write_text("x")
     with pytest.raises(ExportError, match="not empty.*--overwrite"):
         export_params(params, cfg, tmp_path, "float32")
-    export_params(params, cfg, tmp_path, "float32", overwrite=True, tokenizer=False)
-    assert (tmp_path / "model.safetensors").is_file()
+    with pytest.raises(ExportError, match=r"not a Laplace export \(junk.txt\)"):   # --overwrite replaces exports only
+        export_params(params, cfg, tmp_path, "float32", overwrite=True)
+    out = tmp_path / "o"
+    export_params(params, cfg, out, "bfloat16", tokenizer=False)
+    export_params(params, cfg, out, "float32", overwrite=True, tokenizer=False)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["junk.txt", "o"]   # no temporary sibling left
 
 
 def test_unknown_dtype_refused(tmp_path, exported):
@@ -260,13 +265,13 @@ def test_mismatched_safetensors_clear_error(tmp_path, exported):
     bad = tmp_path / "bad"
     bad.mkdir()
     c = json.loads((out / "config.json").read_text())
-    c["d_k"], c["qkvg_dim"] = 8, 4 * (2 * 8 + 2 * 32)          # consistent config, wrong weights
+    c["d_k"], c["head_dim"], c["qkvg_dim"] = 8, 8, 4 * (2 * 8 + 2 * 32)   # consistent config, wrong weights
     (bad / "config.json").write_text(json.dumps(c))
     (bad / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes())
     with pytest.raises(ValueError, match=r"does not match .*config.json.*shape mismatch.*aug_balance"):
         LaplaceForCausalLM.from_pretrained(bad)
     c = json.loads((out / "config.json").read_text())
-    c["num_layers"] = 3
+    c["num_layers"] = c["num_hidden_layers"] = 3
     (bad / "config.json").write_text(json.dumps(c))
     with pytest.raises(ValueError, match=r"missing \(e\.g\. layers\.2\."):
         LaplaceForCausalLM.from_pretrained(bad)
