@@ -3,7 +3,8 @@
 GPU performance rows of issue 6, measured in one process and printed as one table:
 
 1. ``gla``    Simple GLA forward+backward at B=8 T=2048 H=16 d_k=96 d_v=192 bf16: ours
-              (`chunk_simple_gla`, jit, num_chunks=16, with hand_off="scan" and hand_off="matmul") against fla's Triton ``chunk_simple_gla(g_gamma=…)``
+              (`chunk_simple_gla`, jit, num_chunks=16, with hand_off="scan" and hand_off="matmul") against
+              fla's Triton ``chunk_simple_gla(g_gamma=…)``
               (run first, in a child process, when torch + CUDA + fla import), same inputs, ratio ours/fla
               for each hand-off.
 2. ``train``  the 3B training step (Muon + AdamW, remat ``dots_no_batch``): one micro-step
@@ -745,9 +746,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--decode-widths", default="1,64,256")
     ap.add_argument("--long-prompts", default="",
                     help="e.g. 2048,8192: time decode steps continuing prompts of these lengths")
-    ap.add_argument("--gla-variants", action="store_true", help="also time the experimental form (plain autodiff backward)")
+    ap.add_argument("--gla-variants", action="store_true",
+                    help="also time the experimental form (plain autodiff backward)")
     ap.add_argument("--no-fla", action="store_true", help="skip the fla (torch/Triton) comparison")
-    ap.add_argument("--fla-timeout", type=float, default=300.0, help="seconds the fla child may take (Triton autotuning)")
+    ap.add_argument("--fla-timeout", type=float, default=300.0,
+                    help="seconds the fla child may take (Triton autotuning)")
     ap.add_argument("--decode-unscanned", action="store_true",
                     help="also time decode with execution.scan_layers=false (a Python loop over the layers)")
     ap.add_argument("--profile", action="store_true", help="trace one train micro-step, kernel-time summary")

@@ -131,7 +131,8 @@ def stage_resume(a, w: Path) -> dict[str, Any]:
             "resumed_from": min(resumed) - 1 if resumed else None,
             "loss_abs_diff_per_step": diffs, "bit_exact": all(d == 0 for d in diffs.values())
             and all(x == y for x, y in evals), "eval_losses_a_b": evals,
-            "steps_compared": sorted(diffs), **{f"resumed_{k}": v for k, v in _throughput(list(resumed.values())).items()}}
+            "steps_compared": sorted(diffs),
+            **{f"resumed_{k}": v for k, v in _throughput(list(resumed.values())).items()}}
 
 
 def stage_export(a, w: Path) -> dict[str, Any]:

@@ -9,7 +9,8 @@ held-out split of DIR gives `num-seqs` windows of `model.seq_len + 1` tokens. JA
 at HIGHEST precision, so no TF32 on GPUs); vLLM scores the same tokens as prompts
 (`benchmarks/vllm_check.py --prompt-logprobs`). Each side runs in its own process (both want the GPU).
 Prints max and mean |Δ| per dtype, writes W/logprob_parity.json, and exits 1 when a dtype is
-over its bound (a 99th percentile, see `bound`). `--compare-only` recomputes the comparison from the files a run left in W.
+over its bound (a 99th percentile, see `bound`). `--compare-only` recomputes the comparison from the
+files a run left in W.
 
 The bound on |Δ log p| per dtype comes from rounding (`bound`). JAX also scores in float32, and
 each side's error against that reference is reported beside it: for bfloat16 the two sides round
@@ -170,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     for dt, folder in folders.items():
         got = work / f"vllm_{dt}.json"
-        t_vllm = 0.0 if a.compare_only else _child([sys.executable, str(Path(__file__).with_name("vllm_check.py")), "--model", folder, "--dtype", dt,
+        t_vllm = 0.0 if a.compare_only else _child([sys.executable, str(Path(__file__).with_name("vllm_check.py")),
+                         "--model", folder, "--dtype", dt,
                          "--prompts", f"@{work / 'prompts.json'}", "--prompt-logprobs",
                          "--max-num-seqs", str(tokens.shape[0]), "--max-model-len", str(a.max_model_len),
                          "--out", str(got)], work / f"vllm_{dt}.log", a.timeout)

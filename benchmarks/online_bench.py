@@ -14,7 +14,8 @@ For each server, one after the other on the same device: `python -m vllm.entrypo
 peer (benchmarks/serve_bench's folders, built once per machine and reused), each run of the chosen
 workloads (online/workloads.py) through `vllm bench serve` (online/client.py) or the multi-turn driver
 (online/multiturn.py), then the server is stopped.  The client runs in this process, exactly as the
-CLI runs it (each row's "cli" holds the equivalent `vllm bench serve` command line).  The prefix and multiturn workloads run on Laplace
+CLI runs it (each row's "cli" holds the equivalent `vllm bench serve` command line).  The prefix and
+multiturn workloads run on Laplace
 once per `--laplace-caching` mode (default off, then on; the first Laplace server also runs every other
 workload), on the peer with vLLM's defaults (prefix caching on).
 
@@ -56,7 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="benchmarks/online_bench.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny models, a few short requests")
-    ap.add_argument("--workloads", default=None, help=f"comma list of {', '.join(WORKLOADS)} (default: sweep; smoke: all)")
+    ap.add_argument("--workloads", default=None,
+                    help=f"comma list of {', '.join(WORKLOADS)} (default: sweep; smoke: all)")
     ap.add_argument("--pack", action="store_true", help="results/ and logs/ into details.tar.gz (<= 8 files in DIR)")
     ap.add_argument("--budget-s", type=float, default=None, help="wall-clock budget of the call (GPU default 570)")
     ap.add_argument("--rates", type=workloads.parse_rates, default=None, help="sweep rates, e.g. 4,8,12,inf")
@@ -211,7 +213,8 @@ def run(a: argparse.Namespace, names: list[str], s: Sizes, modes: list[str]) -> 
                          think_s=s.multiturn_think_s, num_warmups=a.num_warmups,
                          start_timeout_s=300 if a.smoke else 420, est_start_s=60 if a.smoke else 120)
     servers, rows = runner.run_all(plans, ctx, budget)
-    header = (f"Online serving, {device_name(cuda)}, vLLM {vllm_version()}, {a.config or ('tiny' if a.smoke else '3B')} "
+    header = (f"Online serving, {device_name(cuda)}, vLLM {vllm_version()}, "
+              f"{a.config or ('tiny' if a.smoke else '3B')} "
               f"{a.dtype}, random weights; servers: --max-num-seqs {s.max_num_seqs}, --max-model-len "
               f"{s.max_model_len}; client: vllm bench serve (Poisson arrivals, greedy, ignore_eos)\n")
     md, slo = tables.markdown(rows, servers, header)
@@ -234,7 +237,8 @@ def dry_run(names: list[str], s: Sizes, modes: list[str], smoke: bool, start_s: 
     for p in plans:
         est = [workloads.estimate_s(r) for r in p.runs]
         total += start_s + 10 + sum(est)
-        lines.append(f"{p.name} ({' '.join(p.extra) or 'vLLM defaults'}): start ~{start_s:.0f} s, runs ~{sum(est):.0f} s")
+        lines.append(f"{p.name} ({' '.join(p.extra) or 'vLLM defaults'}): start ~{start_s:.0f} s, "
+                     f"runs ~{sum(est):.0f} s")
         lines += [f"  {r.label}: {r.prompts} {'conversations' if r.turns > 1 else 'requests'}, ~{e:.0f} s"
                   for r, e in zip(p.runs, est)]
     return "\n".join(lines + [f"total ~{total:.0f} s{' (GPU guesses)' if not smoke else ''}"])

@@ -2,7 +2,8 @@
 
 `export/remote_code.py` ships this module, `hf_config.py`, `torch_model.py` and the modules they
 import (`reference.py`, `spec.py`) into every exported folder, so
-`AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` runs `export/torch_model.py` itself: prefill is its chunked forward, each generated token its recurrent
+`AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` runs `export/torch_model.py`
+itself: prefill is its chunked forward, each generated token its recurrent
 `decode_step`, exactly as `LaplaceForCausalLM.generate` there.
 
 The cache handed between `generate`'s steps is the recurrent state (`LaplaceState`, per layer a conv

@@ -278,7 +278,7 @@ def restore(mngr: ocp.CheckpointManager, run_dir: str | Path, step: int, abstrac
         out = mngr.restore(step, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(abstract_params), train=ocp.args.StandardRestore(abstract_train),
             data=grain.checkpoint.CheckpointRestore(data_iter)))
-    except Exception as e:  # orbax/tensorstore raise many types for damaged files
+    except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types for damaged files
         if "tree structures do not match" in str(e):
             raise CheckpointError(
                 f"checkpoint step {step} in {run_dir} holds an optimizer state of another layout: an optim "
@@ -310,7 +310,7 @@ def load_params(run_dir: str | Path, step: int | None = None) -> tuple[dict[str,
     path = checkpoint_dir(run_dir) / str(step) / "params"   # the `params` item only: no optimizer state
     try:
         params = _restore_numpy(path, param_shapes(cfg.model))
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types for damaged files
         raise _unreadable(run_dir, step, e) from None
     verify_checksums(run_dir, step, params, meta.get("params_checksum"))
     return params, cfg, step

@@ -46,7 +46,8 @@ class Execution:
     gla_impl: KernelImpl = "auto"           # chunked GLA: auto | xla | pallas (GPU kernels, ops/gla_pallas.py). auto:
                                      # pallas on GPUs inside per-device code (grad_sync=step), xla elsewhere:
                                      # the kernels have no GSPMD partitioning rule
-    mix_impl: KernelImpl = "auto"           # gated mix after the GLA: auto | xla | pallas (ops/mix_pallas.py); auto as gla_impl
+    mix_impl: KernelImpl = "auto"           # gated mix after the GLA: auto | xla | pallas (ops/mix_pallas.py);
+                                     # auto as gla_impl
 
 
 @dataclass(frozen=True)
@@ -291,7 +292,8 @@ def _set_dotted(tree: dict[str, Any], dotted: str, raw: str, cls: type) -> None:
         typ = _hints(node_cls)[part]
         if i == len(parts) - 1:
             if dataclasses.is_dataclass(typ):
-                raise ConfigError(f"'{dotted}' is a section: set one of its keys, e.g. {dotted}.{dataclasses.fields(typ)[0].name}=...")
+                raise ConfigError(f"'{dotted}' is a section: set one of its keys, "
+                                  f"e.g. {dotted}.{dataclasses.fields(typ)[0].name}=...")
             node[part] = raw
         else:
             if not dataclasses.is_dataclass(typ):

@@ -320,7 +320,8 @@ def open_run(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quie
         lock.release()
         raise
     return Run(cfg, run_dir, cfg.train.steps if steps is None else steps, prog, data_desc, data_iter,
-               heldout_evaluator(raw_cfg, prog.mesh, prog.param_sh, eval_batches), mngr, lock, unlog, log, params, opt_state, rng, start,
+               heldout_evaluator(raw_cfg, prog.mesh, prog.param_sh, eval_batches), mngr, lock, unlog, log,
+               params, opt_state, rng, start,
                latest is not None, t_restore)
 
 

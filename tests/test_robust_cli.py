@@ -58,7 +58,8 @@ CASES = [  # (command, argv with {placeholders}, what the error line says)
 def read_only(tmp_path_factory):
     """A read-only filesystem (a ro tmpfs: read-only even for root, unlike chmod), or None."""
     ro = tmp_path_factory.mktemp("ro")
-    ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True).returncode == 0
+    ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)],
+                        capture_output=True).returncode == 0
     yield ro if ok else None
     if ok:
         subprocess.run(["umount", str(ro)], capture_output=True)

@@ -190,8 +190,10 @@ def run_all(plans: list[ServerPlan], ctx: Context, budget: Budget) -> tuple[list
     servers, rows = [], []
     for i, plan in enumerate(plans):
         if budget.left() < ctx.est_start_s:
-            log(f"{plan.name}: SKIPPED (time budget: {budget.left():.0f} s left, a start takes ~{ctx.est_start_s:.0f} s)")
-            servers.append({"name": plan.name, "model": plan.model, "mode": plan.mode, "status": "skipped (time budget)"})
+            log(f"{plan.name}: SKIPPED (time budget: {budget.left():.0f} s left, "
+                f"a start takes ~{ctx.est_start_s:.0f} s)")
+            servers.append({"name": plan.name, "model": plan.model, "mode": plan.mode,
+                            "status": "skipped (time budget)"})
             continue
         rec, got = drive(plan, ctx, budget, budget.share(plans[i:], ctx))
         servers.append(rec)

@@ -114,7 +114,8 @@ def slo_lines(rows: list[dict], lap: str) -> tuple[str, dict]:
     text = [f"Max request rate under the SLO (p99 TTFT <= {SLO_TTFT_MS:.0f} ms, p99 TPOT <= {SLO_TPOT_MS:.0f} ms, "
             f"achieved >= 0.9 x offered; sweep rows):"]
     for m, r in res.items():
-        worse = f"; not met at lower rate(s) {', '.join(map(rate_text, r['failing_below']))}" if r["failing_below"] else ""
+        worse = (f"; not met at lower rate(s) {', '.join(map(rate_text, r['failing_below']))}"
+                 if r["failing_below"] else "")
         text.append(f"- {m}: {rate_text(r['rate']) + ' req/s' if r['rate'] else 'none of the swept rates'}{worse}")
     a, b = res["laplace"]["rate"], res[PEER]["rate"]
     if a and b:

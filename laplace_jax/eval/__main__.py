@@ -177,7 +177,8 @@ def summary_lines(results: dict) -> list[str]:
                   f"rank score {c['rank_score']:.2f}" for c in r["cells"]]
     if "mqar" in t:
         r = t["mqar"]
-        lines.append(f"mqar: accuracy {r['accuracy']:.3f} (chance {r['chance_accuracy']:.3f}) over {r['queries']} queries")
+        lines.append(f"mqar: accuracy {r['accuracy']:.3f} (chance {r['chance_accuracy']:.3f}) "
+                     f"over {r['queries']} queries")
         lines += [f"  distance {b['lo']:>5}-{b['hi'] - 1:<5}: accuracy {b['accuracy']:.3f} ({b['queries']} queries)"
                   for b in r["buckets"]]
     return lines

@@ -40,4 +40,5 @@ def run(score_values: ValueScoreFn, spec: MQARSpec, *, sequences: int, seed: int
                 "accuracy": float(credit[level == i].mean()), "rank_score": float(rank[level == i].mean())}
                for i in range(int(level.max()) + 1) if (level == i).any()]
     return {"spec": dataclasses.asdict(spec), "sequences": sequences, "queries": int(len(dist)),
-            "chance_accuracy": 1.0 / spec.values, "accuracy": float(credit.mean()), "rank_score": float(rank.mean()), "buckets": buckets}
+            "chance_accuracy": 1.0 / spec.values, "accuracy": float(credit.mean()), "rank_score": float(rank.mean()),
+            "buckets": buckets}

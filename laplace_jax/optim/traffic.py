@@ -16,7 +16,6 @@ therefore reports element counts from the compiled HLO and bytes at the requeste
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re

@@ -8,7 +8,8 @@ def test_three_configs_load():
     big = load_config("laplace_3b")
     m = big.model
     assert (m.d_model, m.num_layers, m.num_heads, m.d_k, m.d_v, m.qkvg_dim) == (3072, 24, 16, 96, 192, 9216)
-    assert (m.conv_kernel, m.ffn_dim, m.vocab_size, m.seq_len, m.num_chunks, m.chunk_size) == (4, 8192, 50304, 2048, 16, 128)
+    assert ((m.conv_kernel, m.ffn_dim, m.vocab_size, m.seq_len, m.num_chunks, m.chunk_size)
+            == (4, 8192, 50304, 2048, 16, 128))
     assert (m.t_min, m.t_max) == (1.0, 2048.0)
     assert big.train.batch_tokens == 524288 and big.optim.warmup_steps == 3815 and big.optim.total_steps == 190735
     tiny = load_config("configs/laplace_tiny.yaml")

@@ -89,7 +89,8 @@ def test_mqar_examples_are_deterministic_and_well_formed():
         x, y = src[i]["inputs"], src[i]["targets"]
         assert x.shape == y.shape == (SPEC.seq_len,) and x.dtype == y.dtype == np.int32
         keys, values = x[0:2 * N:2], x[1:2 * N:2]
-        assert len(set(keys)) == N and keys.max() < K and len(set(values)) == N and ((values >= K) & (values < K + V)).all()
+        assert (len(set(keys)) == N and keys.max() < K and len(set(values)) == N
+                and ((values >= K) & (values < K + V)).all())
         q = np.flatnonzero(y != IGNORE)
         assert len(q) == N and (q >= 2 * N).all() and ((q - 2 * N) % 2 == 0).all()
         assert sorted(x[q]) == sorted(keys)                      # every key asked exactly once
@@ -174,7 +175,8 @@ def test_passkey_cases_are_deterministic_oracle_100_uniform_chance():
     assert all(len(k) == 5 and k.isdigit() for k in keys)
     kw = dict(lengths=[64, 128], depths=[0.0, 0.5, 1.0], trials=3, seed=2)
     cases = passkey.make_cases(filler, tok, keys, **kw)
-    assert cases == passkey.make_cases(filler, tok, keys, **kw) != passkey.make_cases(filler, tok, keys, **{**kw, "seed": 3})
+    assert (cases == passkey.make_cases(filler, tok, keys, **kw)
+            != passkey.make_cases(filler, tok, keys, **{**kw, "seed": 3}))
     question = tok.encode(passkey.QUESTION)
     for c in cases:
         assert len(c.prompt) == c.length and list(c.prompt[-len(question):]) == question

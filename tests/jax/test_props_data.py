@@ -16,7 +16,8 @@ from laplace_jax.data.corpus import DataError
 from laplace_jax.data.pipeline import TokenWindows, resolve_data_dir
 
 SEQ, VOCAB = 8, 50304
-TEXT = "\n\n".join(f"Document {i}: the river trade of the city, year {1700 + i}, merchants and ships." for i in range(12))
+TEXT = "\n\n".join(f"Document {i}: the river trade of the city, year {1700 + i}, merchants and ships."
+                   for i in range(12))
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,11 @@
 """data.prepare refuses what would lose data or silently mis-tokenize it (issue 18 item 4): a non-empty
 folder that is not a dataset, a dataset of other inputs without --force, binary and non-UTF-8 input;
 huge documents reach the tokenizer in pieces whose tokens equal the whole text's."""
-import json
 
 import numpy as np
 import pytest
 
 from laplace_jax.data import corpus, prepare as prep
-from laplace_jax.data.corpus import DataError
 from laplace_jax.data.tokenizer import get_tokenizer
 
 WORDS = "the history of Ærø, naïve café 42 3.14 -- (x) it's we'll \t tabs\nnew lines  two  spaces".split(" ")

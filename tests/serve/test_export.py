@@ -167,7 +167,8 @@ def _old_export_tensors(params, num_layers, tdtype):
     """The export before streaming (all float32 copies, torch copies, then the cast): the reference bytes."""
     flat = {}
     for p in spec.global_params():
-        flat[p.torch_name] = np.ascontiguousarray(convert.TRANSFORMS[p.to_torch](np.asarray(params[p.name], np.float32)))
+        flat[p.torch_name] = np.ascontiguousarray(
+            convert.TRANSFORMS[p.to_torch](np.asarray(params[p.name], np.float32)))
     for p in spec.layer_params():
         for i in range(num_layers):
             src = np.asarray(params["layers"][p.name], np.float32)[i]

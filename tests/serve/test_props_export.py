@@ -7,12 +7,10 @@ vLLM model) passes and the folder loads, weights equal to the exported ones, or 
 an example; plus a transformers load and a vLLM engine start of broken folders (slow)."""
 import dataclasses
 import json
-import os
 import shutil
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 from hypothesis import example, given, strategies as st
 

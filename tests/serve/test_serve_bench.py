@@ -179,7 +179,8 @@ def test_comparison_ratio_rows(tmp_path):
     got = [(r["name"], r["value"]) for r in rows.rows]
     assert got[-1] == ("ratio laplace/llama end-to-end 2x8x4", 1.5)
     assert [n for n, _ in got if n.startswith("ratio")] == ["ratio laplace/llama end-to-end 2x8x4"]
-    assert (tmp_path / "serve_rows.txt").read_text().splitlines()[0] == f"laplace: end-to-end output throughput, {s} | 30 | tok/s"
+    assert ((tmp_path / "serve_rows.txt").read_text().splitlines()[0]
+            == f"laplace: end-to-end output throughput, {s} | 30 | tok/s")
 
 
 @pytest.mark.slow
