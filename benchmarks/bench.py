@@ -25,20 +25,20 @@ import sys
 # Let the 3B step use most of the card (JAX preallocates 75 % by default). Harmless on CPU.
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
 
-import argparse  # noqa: E402
-import gc  # noqa: E402
-import glob  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any, Callable, NamedTuple  # noqa: E402
+import argparse
+import gc
+import glob
+import json
+import math
+import statistics
+import subprocess
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 N_PARAMS_3B = 3.0276e9          # the article's parameter count, for 6N FLOP/token
 PEAK_BF16 = 989e12              # H200 dense bf16, datasheet
@@ -195,7 +195,7 @@ def gla_headmajor(q, k, v, g_gamma, num_chunks: int = 16, scale: float | None = 
     cdt = v.dtype
     sc = K ** -0.5 if scale is None else scale
     g = g_gamma.astype(f32)
-    hm = lambda a: a.reshape(B, n, C, H, a.shape[-1]).transpose(0, 3, 1, 2, 4)  # noqa: E731
+    hm = lambda a: a.reshape(B, n, C, H, a.shape[-1]).transpose(0, 3, 1, 2, 4)
     qh, kh, vh = hm(q), hm(k), hm(v)
     pos = jnp.arange(C, dtype=f32)
     diff = pos[:, None] - pos[None, :]

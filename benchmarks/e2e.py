@@ -32,7 +32,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from laplace_jax.checkpoint import available_steps  # noqa: E402  (committed checkpoints only)
+from laplace_jax.checkpoint import available_steps
 NOTES = {  # trainer notes (stderr) -> seconds, per process
     "compile_s": re.compile(r"compiled the train step in ([\d.]+) s"),
     "restore_s": re.compile(r"resumed from step \d+ .* in ([\d.]+) s"),

@@ -118,7 +118,7 @@ def build_folders(a: argparse.Namespace, s: Sizes) -> dict:
     cfg = load_config(name).model if name else Arch()
     max_len = max(FOLDER_LEN, s.max_model_len) if not a.smoke else s.max_model_len
     work = Path(a.work) if a.work else None
-    at = lambda kind: str(work / f"{kind}_{name or '3b'}_{a.dtype}") if work else None   # noqa: E731
+    at = lambda kind: str(work / f"{kind}_{name or '3b'}_{a.dtype}") if work else None
     ns = argparse.Namespace(smoke=a.smoke, out=a.out, dtype=a.dtype, config=name,
                             model_dir=a.model_dir or at("laplace"), peer_dir=a.peer_dir or at("llama"))
     lap, lap_tok, secs_l, reused_l = laplace_folder(ns, cfg, max_len)

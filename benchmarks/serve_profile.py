@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_check import exit_skipping_teardown, stop_engine  # noqa: E402
-from serve_bench.engine import ensure_plugin_entry_point, prefer_v2_runner  # noqa: E402
-from serve_bench.folders import FOLDER_LEN, laplace_folder  # noqa: E402
-from serve_bench.measures import make_prompts  # noqa: E402
-from serve_bench.rows import log  # noqa: E402
+from vllm_check import exit_skipping_teardown, stop_engine
+from serve_bench.engine import ensure_plugin_entry_point, prefer_v2_runner
+from serve_bench.folders import FOLDER_LEN, laplace_folder
+from serve_bench.measures import make_prompts
+from serve_bench.rows import log
 
 # kernel-name fragments → kind, first match wins (cuBLAS/CUTLASS GEMMs, Inductor's and our Triton
 # kernels, copies and gathers, the rest of aten's element-wise and reduction kernels)

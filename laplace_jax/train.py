@@ -24,38 +24,38 @@ def _preset_local_devices(argv: list[str]) -> None:
 if __name__ == "__main__":
     _preset_local_devices(sys.argv[1:])
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import logging  # noqa: E402
-import math  # noqa: E402
-import signal  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any, Callable  # noqa: E402
+import argparse
+import dataclasses
+import logging
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable
 
-from jax.sharding import Mesh  # noqa: E402
+from jax.sharding import Mesh
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import yaml  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import yaml
 
-from laplace_jax import checkpoint as ckpt  # noqa: E402
-from laplace_jax.cli import EXIT_USAGE, Parser, positive_int  # noqa: E402
-from laplace_jax.config import (DEFAULT_CONFIG, Config, ConfigError, config_to_dict, load_config,  # noqa: E402
+from laplace_jax import checkpoint as ckpt
+from laplace_jax.cli import EXIT_USAGE, Parser, positive_int
+from laplace_jax.config import (DEFAULT_CONFIG, Config, ConfigError, config_to_dict, load_config,
                                 resolve_execution)
-from laplace_jax.data.corpus import DataError  # noqa: E402
-from laplace_jax.data.pipeline import open_training_data  # noqa: E402
-from laplace_jax.info import gla_flop_per_token  # noqa: E402
-from laplace_jax.grad_accum import accumulate, loss_fn  # noqa: E402
-from laplace_jax.model import init_params, param_shapes  # noqa: E402
-from laplace_jax.optim import build_optimizer, make_schedule  # noqa: E402
-from laplace_jax.neuron import host_init_params, host_key, is_neuron, use_rbg_prng  # noqa: E402
-from laplace_jax.metrics import RunLog  # noqa: E402
-from laplace_jax.platform import select_platform  # noqa: E402
-from laplace_jax.rundir import RunDirBusy, RunDirLock  # noqa: E402
-from laplace_jax.sharding import (batch_sharding, make_mesh, opt_state_shardings, param_shardings,  # noqa: E402
+from laplace_jax.data.corpus import DataError
+from laplace_jax.data.pipeline import open_training_data
+from laplace_jax.info import gla_flop_per_token
+from laplace_jax.grad_accum import accumulate, loss_fn
+from laplace_jax.model import init_params, param_shapes
+from laplace_jax.optim import build_optimizer, make_schedule
+from laplace_jax.neuron import host_init_params, host_key, is_neuron, use_rbg_prng
+from laplace_jax.metrics import RunLog
+from laplace_jax.platform import select_platform
+from laplace_jax.rundir import RunDirBusy, RunDirLock
+from laplace_jax.sharding import (batch_sharding, make_mesh, opt_state_shardings, param_shardings,
                                   replicated)
 
 # Dense bf16 peak per device, for MFU (FLOP count: 6N + the GLA mixing, per token).
@@ -245,7 +245,7 @@ class Run:
         `failed`: an error is on its way out already; a save failing too adds nothing to it."""
         try:
             self.mngr.wait_until_finished()
-        except Exception:  # noqa: BLE001
+        except Exception:
             if not failed:
                 raise
         finally:

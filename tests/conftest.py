@@ -33,15 +33,15 @@ def triton_interpreting() -> Iterator[None]:
 with triton_interpreting(), contextlib.suppress(ImportError):
     import triton.language  # noqa: F401
 
-import collections  # noqa: E402
-import importlib  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
+import collections
+import importlib
+import subprocess
+import sys
+from pathlib import Path
 
-import pytest  # noqa: E402
+import pytest
 
-from laplace_jax.numerics import U_FLOAT32, sum_error  # noqa: E402
+from laplace_jax.numerics import U_FLOAT32, sum_error
 try:   # property-based tests (tests/test_props_*.py): a bounded number of examples unless asked for more
     from hypothesis import HealthCheck, settings
 except ImportError:   # the test extra brings it; without it only those tests fail to import

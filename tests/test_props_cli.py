@@ -57,7 +57,7 @@ CASES = [  # (module, argv with {root}, words of the one line)
 @pytest.mark.parametrize("module,argv,words", CASES,
                          ids=[f"{m.split('.')[-1]}-{i}" for i, (m, _, _) in enumerate(CASES)])
 def test_found_examples_end_in_one_line_and_exit_2(bad, module, argv, words):
-    fill = lambda s: s.format(root=bad)  # noqa: E731
+    fill = lambda s: s.format(root=bad)
     p = subprocess.run([sys.executable, "-m", module, *map(fill, argv)], cwd=ROOT, env=cli_env(), capture_output=True,
                        text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert p.returncode == 2, p.stderr[-3000:]

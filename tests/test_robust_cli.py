@@ -84,7 +84,7 @@ def test_bad_input_is_one_line_and_exit_2(cmd, argv, says, tmp_path, read_only, 
     names = {"tmp": tmp_path, "file": tmp_path / "file", "dir": tmp_path / "dir", "ro": read_only,
              "list_yaml": tmp_path / "list.yaml", "bad_yaml": tmp_path / "bad.yaml",
              "bad_manifest": tmp_path / "manifest"}
-    fill = lambda s: s.format(**names)  # noqa: E731
+    fill = lambda s: s.format(**names)
     before = _snapshot(tmp_path)
     try:
         status = cmd([fill(a) for a in argv])

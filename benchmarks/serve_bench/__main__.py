@@ -11,8 +11,8 @@ if sys.path and Path(sys.path[0] or ".").resolve() == _HERE:
 if str(_HERE.parent) not in sys.path:
     sys.path.insert(0, str(_HERE.parent))
 
-from serve_bench.cli import main  # noqa: E402
-from vllm_check import exit_skipping_teardown  # noqa: E402
+from serve_bench.cli import main
+from vllm_check import exit_skipping_teardown
 
 if __name__ == "__main__":
     exit_skipping_teardown(main())

@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from laplace_jax.data import corpus, pipeline, prepare as prep, tokenizer  # noqa: E402
-from laplace_jax.data.corpus import DataError  # noqa: E402
+from laplace_jax.data import corpus, pipeline, prepare as prep, tokenizer
+from laplace_jax.data.corpus import DataError
 
 VOCAB = 50304  # the model's (padded) vocab
 UNICODE_TEXT = ("Zürich — naïve café, Ελληνικά, русский, 日本語のテキスト, 한국어, emoji 🤖🚀, "

@@ -40,7 +40,7 @@ def test_gradients_match_autodiff_of_recurrence():
         o, s = fn(q, k, v, g, initial_state=s0)
         return jnp.sum(o * w) + jnp.sum(s * ws)
 
-    pallas = lambda *a, **kw: chunk_simple_gla_pallas(*a, chunk_size=16, interpret=True, **kw)  # noqa: E731
+    pallas = lambda *a, **kw: chunk_simple_gla_pallas(*a, chunk_size=16, interpret=True, **kw)
     for form, fn in (("pallas", pallas), ("recurrent", recurrent_simple_gla)):
         got = jax.grad(lambda *a: loss(fn, *a), argnums=(0, 1, 2, 3))(q, k, v, s0)
         for name, a, b, mag in zip(("q", "k", "v", "initial_state"), got, want, mags):
@@ -81,7 +81,7 @@ def test_pieces_are_powers_of_two_covering_the_dim():
 
 def test_3b_shape_lowers_to_four_triton_kernels_for_cuda():
     """Lowering (not compiling) for CUDA checks Triton's constraints (power-of-two tiles) on a CPU machine."""
-    sd = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)  # noqa: E731
+    sd = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
     B, T, H, K, V = 2, 2048, 16, 96, 192
 
     def f(q, k, v, g, do):

@@ -21,14 +21,14 @@ EPS = 1e-5
 
 def make(n=N, seed=0, dtype=np.float32):
     r = np.random.default_rng(seed)
-    x = lambda *s: r.standard_normal(s).astype(np.float32)  # noqa: E731
+    x = lambda *s: r.standard_normal(s).astype(np.float32)
     arrays = [x(n, H, K), x(n, H, K), x(n, H, V), x(n, H, V), x(n, H, V)]
     return [a.astype(dtype) for a in arrays] + [0.5 * x(H, K), 1 + 0.2 * x(T, V)]
 
 
 def numpy_mix(q, k, v, g, o, a, w):
     q, k, v, g, o, a, w = (np.asarray(t, np.float64) for t in (q, k, v, g, o, a, w))
-    sig = lambda z: 1 / (1 + np.exp(-z))  # noqa: E731
+    sig = lambda z: 1 / (1 + np.exp(-z))
     x = o + sig(np.sum(q * a * k, -1, keepdims=True)) * v
     y = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + EPS) * np.repeat(w, H // T, axis=0)
     return y * g * sig(g)
@@ -42,7 +42,7 @@ def mix_err(q, k, v, g, o, a, w):
     - the V-long mean of x^2 (positive terms) errs by λ√V u relatively, halved by the rsqrt;
     - the rest (the rsqrt, products with w, g and σ(g)): at most 12u of |y| (each within 2 ulps)."""
     q, k, v, g, o, a, w = (np.asarray(t, np.float64) for t in (q, k, v, g, o, a, w))
-    sig = lambda z: 1 / (1 + np.exp(-z))  # noqa: E731
+    sig = lambda z: 1 / (1 + np.exp(-z))
     gate = sig(np.sum(q * a * k, -1, keepdims=True))
     x = o + gate * v
     factor = np.abs(np.repeat(w, H // T, axis=0) * g * sig(g)) / np.sqrt(np.mean(x * x, -1, keepdims=True) + EPS)
@@ -144,7 +144,7 @@ def test_model_loss_and_grads_agree_with_either_mix():
 
 def test_3b_shape_lowers_to_two_triton_kernels_for_cuda():
     """Lowering (not compiling) for CUDA checks Triton's constraints (power-of-two tiles) on a CPU machine."""
-    sd = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)  # noqa: E731
+    sd = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
     n, h, k, v, t = 32768, 16, 96, 192, 4
 
     def f(*args):

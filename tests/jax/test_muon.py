@@ -23,18 +23,18 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from laplace_jax.config import load_config  # noqa: E402
-from laplace_jax.model import param_shapes  # noqa: E402
-from laplace_jax.optim import (build_optimizer, make_schedule, muon_traffic_bytes,  # noqa: E402
+from laplace_jax.config import load_config
+from laplace_jax.model import param_shapes
+from laplace_jax.optim import (build_optimizer, make_schedule, muon_traffic_bytes,
                                newton_schulz, orthogonalize, scale_by_muon)
-from laplace_jax.optim.muon import NS_COEFFS, orthogonalize_stack, shard_map_compat  # noqa: E402
+from laplace_jax.optim.muon import NS_COEFFS, orthogonalize_stack, shard_map_compat
 
 MESHES = [((1,), ("fsdp",)), ((2,), ("fsdp",)), ((4,), ("fsdp",)), ((8,), ("fsdp",)),
           ((2, 4), ("data", "fsdp"))]
@@ -152,7 +152,7 @@ def test_distributed_orthogonalize_bit_identical(request, mesh_shape, names):
         # so the stitched matrix is not: its rows from different ranks are not orthogonal.
         x = np.asarray(outs["local"]["w_12"][0], np.float64)
         r = np.asarray(ref["w_12"][0], np.float64)
-        off = lambda y: np.abs(y @ y.T - np.diag(np.diag(y @ y.T))).max()  # noqa: E731
+        off = lambda y: np.abs(y @ y.T - np.diag(np.diag(y @ y.T))).max()
         assert off(x) > off(r)
 
 

@@ -24,7 +24,7 @@ def _plain(y):
 def test_swiglu_value_and_grad_match_autodiff(dtype, tol):
     y = jax.random.normal(jax.random.PRNGKey(0), (3, 5, 2 * 24), jnp.float32).astype(dtype) * 3
     w = jax.random.normal(jax.random.PRNGKey(1), (3, 5, 24), jnp.float32)
-    loss = lambda f: lambda y: jnp.sum(f(y).astype(jnp.float32) * w)  # noqa: E731
+    loss = lambda f: lambda y: jnp.sum(f(y).astype(jnp.float32) * w)
     np.testing.assert_allclose(np.float32(swiglu(y)), np.float32(_plain(y)), rtol=tol, atol=tol)
     got, ref = jax.grad(loss(swiglu))(y), jax.grad(loss(_plain))(y)
     assert got.dtype == ref.dtype == dtype
@@ -36,7 +36,7 @@ def test_swiglu_cotangent_is_built_once_behind_a_barrier():
     """One concatenate of the two halves' cotangents, materialised by an optimization barrier (XLA
     otherwise fused it into both GEMMs that read it); the plain form has no barrier."""
     y = jnp.ones((4, 16), jnp.bfloat16)
-    grad = lambda f: str(jax.make_jaxpr(jax.grad(lambda y: jnp.sum(f(y).astype(jnp.float32))))(y))  # noqa: E731
+    grad = lambda f: str(jax.make_jaxpr(jax.grad(lambda y: jnp.sum(f(y).astype(jnp.float32))))(y))
     ours = grad(swiglu)
     assert ours.count("concatenate") == 1 and ours.count("optimization_barrier") == 1
     assert "optimization_barrier" not in grad(_plain)   # the check can fail: the plain form has none
@@ -60,7 +60,7 @@ def test_layer_norm_value_and_grads_match_autodiff():
     rtol = f32_sum_err(D, 1.0) + 16 * U32                            # 3.8e-6
     np.testing.assert_allclose(np.asarray(layer_norm(x, scale, 1e-5)),
                                np.asarray(_plain_layer_norm(x, scale, 1e-5)), rtol=rtol, atol=atol)
-    loss = lambda f: lambda x, s: jnp.sum(jnp.sin(f(x, s, 1e-5)) * w)  # noqa: E731
+    loss = lambda f: lambda x, s: jnp.sum(jnp.sin(f(x, s, 1e-5)) * w)
     got = jax.grad(loss(layer_norm), argnums=(0, 1))(x, scale)
     ref = jax.grad(loss(_plain_layer_norm), argnums=(0, 1))(x, scale)
     for name, a, b in zip(("x", "scale"), got, ref):
@@ -73,7 +73,7 @@ def test_layer_norm_value_and_grads_match_autodiff():
 def test_layer_norm_backward_takes_three_row_reductions():
     """mean(ĝ), mean(ĝ x̂) and d scale's sum over rows; autodiff of the plain form takes five."""
     x, scale = jnp.ones((4, 64)), jnp.ones((64,))
-    count = lambda f: str(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(f(x, scale, 1e-5))))(x)).count(  # noqa: E731
+    count = lambda f: str(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(f(x, scale, 1e-5))))(x)).count(
         "reduce_sum") - 3                  # the forward's mean and variance, the loss's sum
     assert (count(layer_norm), count(_plain_layer_norm)) == (3, 5)
 
@@ -84,8 +84,8 @@ def test_split_last_matches_jnp_split_and_builds_the_cotangent_once():
 
     def loss(split):
         return lambda y: sum(jnp.sum(jnp.sin(p) * w) for p, w in zip(split(y), ws))
-    ours = lambda y: split_last(y, (4, 4, 2))                       # noqa: E731
-    plain = lambda y: jnp.split(y, [4, 8], axis=-1)                 # noqa: E731
+    ours = lambda y: split_last(y, (4, 4, 2))
+    plain = lambda y: jnp.split(y, [4, 8], axis=-1)
     for a, b in zip(ours(y), plain(y)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_array_equal(np.asarray(jax.grad(loss(ours))(y)), np.asarray(jax.grad(loss(plain))(y)))

@@ -89,7 +89,7 @@ def _loads_exactly_or_one_line(run, params) -> None:
         return
     saved_model = json.loads((checkpoint_dir(run) / str(step) / "meta" / "metadata").read_text())["config"]["model"]
     assert step == STEP and dataclasses.asdict(cfg.model) == saved_model   # the architecture saved, no default
-    flat = lambda t, pre="": {k2: v2 for k, v in t.items()  # noqa: E731
+    flat = lambda t, pre="": {k2: v2 for k, v in t.items()
                               for k2, v2 in (flat(v, f"{pre}{k}/").items() if isinstance(v, dict) else [(pre + k, v)])}
     want, have = flat(params), flat(got)
     assert want.keys() == have.keys()

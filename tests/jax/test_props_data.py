@@ -71,7 +71,7 @@ def _node(m, dotted: str):
 def _edit_manifest(m: dict, edits) -> dict:
     for kind, what, value in edits:
         splits = m.get("splits") if isinstance(m.get("splits"), dict) else {}
-        shards = lambda s: splits.get(s, {}).get("shards") if isinstance(splits.get(s), dict) else None  # noqa: E731
+        shards = lambda s: splits.get(s, {}).get("shards") if isinstance(splits.get(s), dict) else None
         if kind in ("drop", "set"):
             at = _node(m, what)
             if at is None:

@@ -35,7 +35,7 @@ def test_3b_train_step_lowers(cfg_3b, n):
     lowered = prog.step_fn.lower(*args)
     params, opt_state, metrics = lowered.out_info
     # The step maps the state onto itself: same tree, shapes and dtypes (donation relies on it).
-    same = lambda a, b: (a.shape, a.dtype) == (b.shape, b.dtype)  # noqa: E731
+    same = lambda a, b: (a.shape, a.dtype) == (b.shape, b.dtype)
     assert jax.tree.all(jax.tree.map(same, params, args[0]))
     assert jax.tree.all(jax.tree.map(same, opt_state, args[1]))
     assert {k: v.shape for k, v in metrics.items()} == {"loss": (), "grad_norm": ()}

@@ -27,9 +27,9 @@ class RefuseProject(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, RefuseProject())
 
-import torch  # noqa: E402
-from safetensors import safe_open  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 def main(folder: str, out: str, max_new: int, prompts: list) -> None:

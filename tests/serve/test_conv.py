@@ -3,13 +3,13 @@ interpreter against torch `reference.conv_with_state` per request.  TRITON_INTER
 imports and for the calls, as tests/serve/test_gla_prefill.py says."""
 import pytest
 
-from conftest import U32, f32_sum_err, import_interpreted, interpreter_fixture, need  # noqa: E402
+from conftest import U32, f32_sum_err, import_interpreted, interpreter_fixture, need
 
 torch = need("torch")
 
 (conv,) = import_interpreted("export.ops.conv")
-import torch.nn.functional as F  # noqa: E402
-from export.reference import conv_with_state  # noqa: E402
+import torch.nn.functional as F
+from export.reference import conv_with_state
 
 interpret = interpreter_fixture(conv._conv_prefill_kernel)
 

@@ -11,23 +11,23 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import need, write_run  # noqa: E402
+from conftest import need, write_run
 
 torch = need("torch")
 need("safetensors")
 
-from export import convert  # noqa: E402
-from export.convert import (ExportError, converted_shapes, expected_shapes, export_params,  # noqa: E402
+from export import convert
+from export.convert import (ExportError, converted_shapes, expected_shapes, export_params,
                             hf_config_dict)
-from export.random_weights import random_params  # noqa: E402
-from export.torch_model import LaplaceForCausalLM, check_state_dict  # noqa: E402
-from laplace_jax import spec  # noqa: E402
-from laplace_jax.config import load_config  # noqa: E402
-from laplace_jax.spec import Arch  # noqa: E402
+from export.random_weights import random_params
+from export.torch_model import LaplaceForCausalLM, check_state_dict
+from laplace_jax import spec
+from laplace_jax.config import load_config
+from laplace_jax.spec import Arch
 
 NET = load_config("laplace_tiny").net     # float32 compute
 ARCH = NET.arch
-from laplace_jax import config, model  # noqa: E402
+from laplace_jax import config, model
 
 
 @pytest.fixture(scope="module")

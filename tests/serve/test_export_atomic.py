@@ -19,9 +19,9 @@ from conftest import ROOT, cli_env, need, write_run
 need("torch")
 need("safetensors")
 
-from export.atomic import PAUSE_ENV, is_export  # noqa: E402
-from export.random_weights import random_params  # noqa: E402
-from laplace_jax.config import load_config  # noqa: E402
+from export.atomic import PAUSE_ENV, is_export
+from export.random_weights import random_params
+from laplace_jax.config import load_config
 
 ARCH = dataclasses.replace(load_config("laplace_tiny").model, num_layers=1, vocab_size=512)
 CORE = ("import sys, dataclasses; from export.convert import export_params; "

@@ -7,7 +7,7 @@ TRITON_INTERPRET=1 is set around this module's imports (conftest.import_interpre
 decorated then) and, for the calls, by a fixture; it is not left in the environment."""
 import pytest
 
-from conftest import import_interpreted, interpreter_fixture, need  # noqa: E402
+from conftest import import_interpreted, interpreter_fixture, need
 
 torch = need("torch")
 

@@ -3,7 +3,7 @@ float64 step, elementwise within a bound derived from its float32 arithmetic.  T
 around the imports and for the calls, as tests/serve/test_gla_prefill.py says."""
 import pytest
 
-from conftest import U32, f32_sum_err, import_interpreted, interpreter_fixture, need  # noqa: E402
+from conftest import U32, f32_sum_err, import_interpreted, interpreter_fixture, need
 
 torch = need("torch")
 

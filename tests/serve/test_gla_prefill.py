@@ -8,7 +8,7 @@ test requirement: CI (`make install-test`, the serve extra) installs it, and `ne
 (CI=true) rather than skipping."""
 import pytest
 
-from conftest import import_interpreted, interpreter_fixture, need  # noqa: E402
+from conftest import import_interpreted, interpreter_fixture, need
 
 torch = need("torch")
 

@@ -12,7 +12,7 @@ torch = need("torch")
 
 gla_prefill, chunked, checks = import_interpreted("export.ops.gla_prefill", "export.ops.gla_prefill_chunked",
                                                   "export.checks")
-from export.reference import split_heads  # noqa: E402
+from export.reference import split_heads
 
 interpret = interpreter_fixture(chunked._chunk_local_kernel, chunked._chunk_pass_kernel, chunked._chunk_out_kernel,
                                 gla_prefill._gla_prefill_kernel)
@@ -97,7 +97,7 @@ def test_prefill_path_rule():
     """3B shape (H 16, K 96, V 192, 64-token chunks) on an H200's 132 SMs: a lone prompt or two
     take the chunked path; 8 requests (384 serial programs) or more the serial one; fewer than two
     chunks, or a chunk-state buffer over the budget, the serial one."""
-    rule = lambda R, T: chunked.prefill_path(R, T, 16, 96, 192, 64, 132)  # noqa: E731
+    rule = lambda R, T: chunked.prefill_path(R, T, 16, 96, 192, 64, 132)
     assert rule(1, 512) == rule(1, 2048) == rule(1, 8192) == rule(2, 4096) == "chunked"
     assert rule(3, 6144) == rule(8, 16384) == rule(1280, 1280) == "serial"
     assert rule(1, 127) == "serial"

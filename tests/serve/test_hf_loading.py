@@ -18,10 +18,10 @@ torch = need("torch")
 need("transformers")
 need("safetensors")
 
-from export.remote_code import ENTRY_POINTS, RemoteCodeError, collect, module_path  # noqa: E402
-from export.random_weights import random_params  # noqa: E402
-from laplace_jax.config import load_config  # noqa: E402
-from export.torch_model import LaplaceForCausalLM  # noqa: E402
+from export.remote_code import ENTRY_POINTS, RemoteCodeError, collect, module_path
+from export.random_weights import random_params
+from laplace_jax.config import load_config
+from export.torch_model import LaplaceForCausalLM
 
 # one token, fewer than a chunk (16), more than a chunk and not a multiple of it
 PROMPTS = ["The", "Once upon a time there was a little",

@@ -19,7 +19,7 @@ conv, gated_mix, gla_decode, gla_prefill, chunked, launch_keys, checks = import_
     "export.ops.conv", "export.ops.gated_mix", "export.ops.gla_decode", "export.ops.gla_prefill",
     "export.ops.gla_prefill_chunked", "export.ops.launch_keys", "export.checks")
 
-from laplace_jax.spec import Arch  # noqa: E402
+from laplace_jax.spec import Arch
 
 # D = 36: a bf16 row of xn is 72 bytes, so xn[t0:] is 16-byte aligned only for even t0 (the conv
 # prefill's x has two variants); D = 40 (80 bytes): always aligned.  H·ceil(V/64) = 2 programs

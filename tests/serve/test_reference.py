@@ -8,11 +8,11 @@ import math
 import numpy as np
 import pytest
 
-from conftest import f32_sum_err, need  # noqa: E402
+from conftest import f32_sum_err, need
 
 torch = need("torch")
 
-from export.reference import gla_chunked, gla_float64, gla_step  # noqa: E402
+from export.reference import gla_chunked, gla_float64, gla_step
 
 
 def recurrence(q, k, v, g_gamma, s0):
@@ -61,7 +61,7 @@ def _within_f32(got, want, q, k, v, g_gamma, s0):
 def test_gla_chunked_equals_recurrence(B, S, H, K, V, chunk, init):
     q, k, v, g_gamma, s0 = _inputs(B, S, H, K, V, init, seed=S * 7 + H)
     want_o, want_s = recurrence(q, k, v, g_gamma, s0)
-    t = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
+    t = lambda a: torch.tensor(a, dtype=torch.float32)
     o, s = gla_chunked(t(q), t(k), t(v), t(g_gamma), t(s0), chunk)
     assert tuple(o.shape) == (B, S, H, V) and tuple(s.shape) == (B, H, K, V)
     assert o.dtype == torch.float32 and s.dtype == torch.float32
@@ -72,7 +72,7 @@ def test_gla_chunked_equals_recurrence(B, S, H, K, V, chunk, init):
 def test_gla_chunked_bf16_inputs_and_continuation():
     """bf16 q/k/v are upcast; prefill in two pieces (state handed on) equals one piece."""
     q, k, v, g_gamma, s0 = _inputs(2, 75, 4, 8, 12, True, seed=3)
-    tb = lambda a: torch.tensor(a, dtype=torch.bfloat16)  # noqa: E731
+    tb = lambda a: torch.tensor(a, dtype=torch.bfloat16)
     qb, kb, vb = tb(q), tb(k), tb(v)
     g, st = torch.tensor(g_gamma, dtype=torch.float32), torch.tensor(s0, dtype=torch.float32)
     o, s = gla_chunked(qb, kb, vb, g, st, 16)
@@ -95,7 +95,7 @@ def test_gla_chunked_empty_sequence():
 def test_gla_step_equals_recurrence():
     q, k, v, g_gamma, s0 = _inputs(3, 1, 5, 6, 4, True, seed=9)
     want_o, want_s = recurrence(q, k, v, g_gamma, s0)
-    t = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
+    t = lambda a: torch.tensor(a, dtype=torch.float32)
     o, s = gla_step(t(q[:, 0]), t(k[:, 0]), t(v[:, 0]), t(g_gamma), t(s0))
     assert _within_f32((o[:, None], s), (want_o, want_s), q, k, v, g_gamma, s0) <= 1
 

@@ -10,13 +10,13 @@ from importlib.metadata import distributions
 
 import pytest
 
-from conftest import BENCHMARKS, ROOT, cpu_vllm_env, need  # noqa: E402
+from conftest import BENCHMARKS, ROOT, cpu_vllm_env, need
 
 need("torch")
 need("vllm")
 
-from serve_bench import cli, compare, engine, folders, measures, steps  # noqa: E402  (benchmarks/serve_bench/)
-from serve_bench.rows import Rows  # noqa: E402
+from serve_bench import cli, compare, engine, folders, measures, steps
+from serve_bench.rows import Rows
 
 
 def test_entry_point_dist_info(tmp_path):

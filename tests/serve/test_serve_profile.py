@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from conftest import BENCHMARKS, ROOT, cpu_vllm_env, need  # noqa: E402
+from conftest import BENCHMARKS, ROOT, cpu_vllm_env, need
 
 need("torch")
 need("vllm")
 sys.path.insert(0, str(BENCHMARKS))
-import logprob_parity  # noqa: E402  (benchmarks/logprob_parity.py)
+import logprob_parity
 
-from laplace_jax.config import load_config  # noqa: E402
+from laplace_jax.config import load_config
 
 
 @pytest.mark.slow

@@ -8,17 +8,17 @@ import sys
 
 import pytest
 
-from conftest import BENCHMARKS, cpu_vllm_env, need  # noqa: E402
+from conftest import BENCHMARKS, cpu_vllm_env, need
 
 torch = need("torch")
 need("vllm")
 
-from export.convert import export_params  # noqa: E402
-from laplace_jax.config import Config  # noqa: E402
-from laplace_jax.info import model_report  # noqa: E402
-from export.torch_model import LaplaceForCausalLM  # noqa: E402
-from export.random_weights import random_params  # noqa: E402
-from laplace_jax.config import load_config  # noqa: E402
+from export.convert import export_params
+from laplace_jax.config import Config
+from laplace_jax.info import model_report
+from export.torch_model import LaplaceForCausalLM
+from export.random_weights import random_params
+from laplace_jax.config import load_config
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 48

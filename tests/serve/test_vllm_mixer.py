@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from conftest import U32, import_interpreted, interpreter_fixture, need  # noqa: E402
+from conftest import U32, import_interpreted, interpreter_fixture, need
 
 torch = need("torch")
 
