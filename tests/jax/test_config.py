@@ -129,7 +129,8 @@ def test_every_choice_is_checked_against_its_literal():
         with pytest.raises(ConfigError) as e:
             load_config("laplace_tiny", [f"{key}=bogus"])
         msg = str(e.value)
-        assert msg.startswith(f"{key}='bogus': choose ") and "\n" not in msg, msg
+        # the file the config came from, then the key and its choices (laplace_jax.config's one line)
+        assert msg.startswith("config ") and f".yaml: {key}='bogus': choose " in msg and "\n" not in msg, msg
         assert all(repr(v) in msg for v in allowed), msg
         section, _, name = key.rpartition(".")
         for v in allowed:
