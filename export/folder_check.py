@@ -1,12 +1,14 @@
-"""Is an exported folder whole and self-consistent? One check for every loader of it.
+"""Is an exported folder whole and self-consistent? The readers of the one check every loader runs.
 
-`check_folder(path)` reads config.json strictly (every architecture key present and valid: a key
+`export.torch_model.check_folder(path)` (there, beside the model whose shapes it compares with) reads
+config.json strictly (every architecture key present and valid: a key
 left out is an error, never the 3B default; the generic names transformers and vLLM read agree with
 ours) and model.safetensors' header only (no tensor data: cheap at any size), and compares the
 tensors' names and shapes with what the config's model holds. It raises `FolderError`, one line
 naming the file, the key and the fix. Called by torch_model's `from_pretrained`, by the transformers
 wrapper (hf_modeling) and by the vLLM model before any weight is allocated; shipped in every folder
-as remote code, so it imports only the standard library and torch.
+as remote code, so it imports only the standard library and the spec; it imports no module of
+export (torch_model imports it: one direction).
 """
 import dataclasses
 import json
@@ -14,8 +16,10 @@ import os
 import struct
 from typing import Any
 
-from export.torch_model import CONFIG_NAME, WEIGHTS_NAME
 from laplace_jax.spec import HF_GENERIC, JSON_RENAMED, Arch, ConfigError
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
 
 FIX = "re-export the checkpoint with `python -m export` (or restore the file)"
 FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
@@ -115,19 +119,3 @@ def _prod(shape: list[int]) -> int:
     for x in shape:
         out *= x
     return out
-
-
-def check_folder(folder: str) -> Arch:
-    """The folder's architecture, once config.json and model.safetensors agree (see module doc)."""
-    import torch
-
-    from export.torch_model import LaplaceForCausalLM, check_state_dict
-    arch = read_arch(os.path.join(folder, CONFIG_NAME))
-    table = read_header(os.path.join(folder, WEIGHTS_NAME))
-    with torch.device("meta"):
-        want = LaplaceForCausalLM(arch).expected_shapes()
-    try:
-        check_state_dict(want, {k: tuple(t["shape"]) for k, t in table.items()}, str(folder))
-    except ValueError as e:
-        raise FolderError(str(e)) from None
-    return arch

@@ -20,10 +20,9 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from export.folder_check import check_folder
 from export.hf_config import LaplaceHFConfig
 from export.torch_model import LaplaceForCausalLM as LaplaceTorchLM
-from export.torch_model import LaplaceMixer, Norm
+from export.torch_model import LaplaceMixer, Norm, check_folder
 
 State = list   # per layer {"conv": [B, C, D], "gla": [B, H, K, V]} float32, as torch_model's
 
@@ -77,7 +76,7 @@ class LaplaceForCausalLM(PreTrainedModel, GenerationMixin):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """A local folder is checked whole first (folder_check): config.json against the weights'
+        """A local folder is checked whole first (torch_model.check_folder): config.json against the weights'
         header, one line naming what disagrees, before transformers allocates anything."""
         if os.path.isdir(str(pretrained_model_name_or_path)):
             check_folder(str(pretrained_model_name_or_path))

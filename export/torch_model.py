@@ -20,16 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# the folder's file names and readers (re-exported: convert, atomic and hf_config import the names from here)
+from export.folder_check import CONFIG_NAME, WEIGHTS_NAME, FolderError, read_arch, read_header
 from export.reference import conv_step, conv_with_state, gated_mix, gla_chunked, gla_step, layer_norm, split_heads
 from laplace_jax.spec import Arch
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-
-
 def read_config(path: str) -> Arch:
     """The architecture from an exported folder's config.json, every key required (folder_check)."""
-    from export.folder_check import read_arch
     return read_arch(path)
 
 
@@ -180,7 +177,6 @@ class LaplaceForCausalLM(nn.Module):
     def from_pretrained(cls, path, dtype: torch.dtype = torch.float32, device="cpu") -> "LaplaceForCausalLM":
         from safetensors.torch import load_file
 
-        from export.folder_check import check_folder
         cfg = check_folder(str(path))   # config.json whole, the weights' names and shapes its model's
         tensors = load_file(os.path.join(path, WEIGHTS_NAME))
         model = cls(cfg)
@@ -205,3 +201,17 @@ def check_state_dict(expected: dict, found: dict, where: str = "") -> None:
             f"{k} is {list(found[k])}, config wants {list(expected[k])}" for k in bad[:3]))
     raise ValueError(f"{where}/{WEIGHTS_NAME} does not match {where}/{CONFIG_NAME}: "
                      + "; ".join(parts) + " — re-export the checkpoint or fix config.json")
+
+
+def check_folder(folder: str) -> Arch:
+    """The folder's architecture, once config.json and model.safetensors agree (export/folder_check.py:
+    the strict config.json reader and the header-only weights reader; the shapes are this model's)."""
+    arch = read_arch(os.path.join(folder, CONFIG_NAME))
+    table = read_header(os.path.join(folder, WEIGHTS_NAME))
+    with torch.device("meta"):
+        want = LaplaceForCausalLM(arch).expected_shapes()
+    try:
+        check_state_dict(want, {k: tuple(t["shape"]) for k, t in table.items()}, str(folder))
+    except ValueError as e:
+        raise FolderError(str(e)) from None
+    return arch

@@ -43,10 +43,9 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from export import prefix_cache
-from export.folder_check import check_folder
 from export.ops import conv, gated_mix, gla_decode, gla_prefill, triton_switch, warmup
 from export.reference import layer_norm
-from export.torch_model import LaplaceMixer, Norm, check_state_dict
+from export.torch_model import LaplaceMixer, Norm, check_folder, check_state_dict
 from laplace_jax.spec import Arch
 
 try:  # vLLM >= 0.11

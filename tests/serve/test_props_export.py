@@ -1,7 +1,7 @@
 """Exported folders, edited (issue 35): config.json with keys dropped, retyped or changed against the
 weights, its generic names (hidden_size, ...) out of step with ours, model.safetensors missing, cut
 short, extended or with a damaged header. The one check every loader runs first
-(`export.folder_check.check_folder`: torch_model's `from_pretrained`, the transformers classes, the
+(`export.torch_model.check_folder`: torch_model's `from_pretrained`, the transformers classes, the
 vLLM model) passes and the folder loads, weights equal to the exported ones, or it raises one
 `FolderError` line naming the file and the fix; never a default architecture. In-process, milliseconds
 an example; plus a transformers load and a vLLM engine start of broken folders (slow)."""
@@ -20,7 +20,8 @@ torch = need("torch")
 need("safetensors")
 
 from export.convert import export_params
-from export.folder_check import FolderError, check_folder
+from export.folder_check import FolderError
+from export.torch_model import check_folder
 from export.random_weights import random_params
 from export.torch_model import CONFIG_NAME, WEIGHTS_NAME, LaplaceForCausalLM
 from laplace_jax.config import load_config
