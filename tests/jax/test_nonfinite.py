@@ -2,6 +2,7 @@
 one-line error naming the step, the last checkpoint saved from finite weights and the fix; non-finite
 float settings are config errors; metrics.jsonl is strict JSON."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -93,17 +94,22 @@ def test_metrics_lines_are_strict_json(runs):
                                       "model.t_max=inf", "train.peak_flops=inf", "data.val_fraction=nan"])
 def test_non_finite_float_settings_are_config_errors(override):
     key = override.split("=")[0]
-    with pytest.raises(ConfigError, match=rf"^{key}=-?(inf|nan): must be a finite number$"):
+    # one line: the config file it came from, then the key and the fix
+    with pytest.raises(ConfigError,
+                       match=rf"^config \S*laplace_tiny\.yaml: {key}=-?(inf|nan): must be a finite number$"):
         load_config("laplace_tiny", [override])
 
 
 @pytest.mark.parametrize("override", ["optim.warmup_steps=inf", "train.steps=nan"])
 def test_non_finite_integer_settings_are_config_errors(override):
-    with pytest.raises(ConfigError, match=rf"^{override.split('=')[0]}=.*: expected an integer$"):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^config \S*laplace_tiny\.yaml: {key}=.*: expected an integer$"):
         load_config("laplace_tiny", [override])
 
 
 def test_non_finite_lr_on_the_command_line(tmp_path):
     rc, err = _finish(_start(tmp_path / "r", "--steps", "1", "optim.lr=inf"))
-    assert rc == 2 and err[-1] == "error: optim.lr=inf: must be a finite number"   # a config error
+    # a config error: one line naming the config file, the key and the fix
+    assert rc == 2 and re.fullmatch(r"error: config \S*laplace_tiny\.yaml: optim\.lr=inf: must be a finite number",
+                                    err[-1]), err
     assert not (tmp_path / "r").exists()
