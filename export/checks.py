@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from export.ops import triton_switch
 from export.ops.gated_mix import gated_mix_fused
 from export.ops.gla_decode import gla_decode_inplace
 from export.ops.gla_prefill import CHUNK, gla_prefill_inplace
@@ -114,10 +115,14 @@ def prefill_tolerance(precision: str, chunk: int = CHUNK, K: int = 96) -> float:
 
 
 def output_rounding(dtype: torch.dtype) -> float:
-    """The relative error o picks up when stored in `dtype` (round to nearest: half an ulp, at
-    most u = 2^-8 for bf16, 2^-11 for float16, relative per element and so in norm): add it to
-    `prefill_tolerance` for o of that dtype (the final state stays float32)."""
-    return unit_roundoff(dtype)
+    """The relative error o picks up when stored in `dtype`, per element and so in norm: add it to
+    `prefill_tolerance` for o of that dtype (the final state stays float32).  A GPU rounds the cast
+    to nearest: half an ulp, u = 2^-8 for bf16, 2^-11 for float16.  Triton's CPU interpreter (the
+    tests) truncates it, `fp_downcast_rounding="rtne"` or not: a whole ulp, 2u (float32 → bf16 of
+    random normals there: 7.7e-3 at most against u = 3.9e-3; with a bound of u, o in bf16 failed at
+    seed 640168364: 4.12e-3, tests/serve/test_gla_prefill_chunked.py)."""
+    u = unit_roundoff(dtype)
+    return 2 * u if dtype != torch.float32 and triton_switch.interpreting() else u
 
 
 def prefill_errors(device: str = "cuda", lengths=(1, 63, 64, 65, 200, 2048, 17, 128, 1000, 3),
