@@ -15,7 +15,7 @@ Output (one line, `PREFIX_CACHE_RESULT {json}`): prompts, outputs, logprobs, num
 request; vLLM's own counters `vllm:prefix_cache_queries` / `vllm:prefix_cache_hits` (tokens); the
 cache settings vLLM chose (block size, mamba cache mode), whether it schedules asynchronously, and
 the default sampling parameters it took from the folder's generation_config.json.
-Used by tests/test_prefix_cache.py (CPU) and handy on a GPU machine.
+Used by tests/serve/test_prefix_cache.py (CPU) and handy on a GPU machine.
 """
 import argparse
 import json

