@@ -75,15 +75,24 @@ class TrainError(RuntimeError):
 
 # ----------------------------------------------------------------------------- pure step functions
 
+FINITE_CHECK_SCOPE = "finite_check"   # the step's finite check: the name scope of its ops in the HLO
+
 def make_train_step(cfg: Config, tx: optax.GradientTransformation, mesh: Mesh | None = None) -> Callable:
     """(params, opt_state, batch [A, M, S]) → (params, opt_state, metrics); A micro-batches accumulated
-    (`laplace_jax.grad_accum`: with a mesh, weights gathered once per step by default)."""
+    (`laplace_jax.grad_accum`: with a mesh, weights gathered once per step by default). metrics: scalar
+    loss and grad_norm (float32), and `finite` (bool): every float leaf of the new params and opt_state
+    is free of inf and nan."""
 
     def step(params, opt_state, batch):
         loss, grads = accumulate(params, batch, cfg, mesh)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        # The new state's finite check, in the step's own program: no second program re-reading every
+        # parameter and optimizer state after the step, and XLA may fuse each leaf's reduction into the
+        # pass that writes it (multi-output fusion). The scope names its ops in the HLO.
+        with jax.named_scope(FINITE_CHECK_SCOPE):
+            finite = all_finite(params, opt_state)
+        return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), "finite": finite}
 
     return step
 
@@ -408,8 +417,8 @@ class _Saver:
             raise ckpt.save_failed(self.run.run_dir, step, e, self.need, self.last_good) from None
 
 
-def _announce_and_compile(run: Run) -> tuple[Callable, Callable]:
-    """Print the run's set-up; compile the step and the on-device finite check once, before step 1."""
+def _announce_and_compile(run: Run) -> Callable:
+    """Print the run's set-up; compile the step (its finite check included) once, before step 1."""
     prog, log = run.prog, run.log
     L, mesh = prog.layout, prog.mesh
     log.note(f"laplace_jax.train: {run.cfg.name} | {jax.device_count()} {jax.devices()[0].platform} device(s), "
@@ -426,11 +435,8 @@ def _announce_and_compile(run: Run) -> tuple[Callable, Callable]:
     t0 = time.perf_counter()
     abs_p, abs_o, abs_b = prog.abstract_args()
     step_fn = prog.step_fn.lower(abs_p, abs_o, abs_b).compile()
-    # the new parameters and optimizer state are checked on the device after every step, before any save
-    finite_fn = jax.jit(all_finite, in_shardings=(prog.param_sh, prog.opt_sh),
-                        out_shardings=replicated(mesh)).lower(abs_p, abs_o).compile()
     log.note(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
-    return step_fn, finite_fn
+    return step_fn
 
 
 def run_loop(run: Run) -> dict[str, Any]:
@@ -442,7 +448,7 @@ def run_loop(run: Run) -> dict[str, Any]:
     flop_per_token = 6 * sum(int(np.prod(s.shape)) for s in jax.tree.leaves(prog.shapes)) + 3 * gla_flop_per_token(cfg)
     peak = _peak_flops(cfg)
     tokens_per_step = L.seqs_per_step * L.seq_len
-    step_fn, finite_fn = _announce_and_compile(run)
+    step_fn = _announce_and_compile(run)
     saver, stop = _Saver(run), _Stop()
     step = run.start
     summary: dict[str, Any] = {"run_dir": str(run.run_dir), "start_step": run.start, "losses": {}}
@@ -452,8 +458,8 @@ def run_loop(run: Run) -> dict[str, Any]:
             t0 = time.perf_counter()
             batch = _global_batch(next(run.data_iter), L, prog.batch_sh)
             run.params, run.opt_state, m = step_fn(run.params, run.opt_state, batch)
-            finite = finite_fn(run.params, run.opt_state)
-            loss, gnorm = float(m["loss"]), float(m["grad_norm"])
+            m = jax.device_get(m)   # the step's end: its three scalars in one transfer
+            loss, gnorm, finite = float(m["loss"]), float(m["grad_norm"]), bool(m["finite"])
             dt = time.perf_counter() - t0
             step += 1
             rec = {"step": step, "loss": loss, "grad_norm": gnorm, "lr": float(schedule(step - 1)),
@@ -463,7 +469,7 @@ def run_loop(run: Run) -> dict[str, Any]:
             # Nothing from a non-finite step is saved: the loss and gradient norm (computed before the
             # update), the updated parameters and optimizer state, and the held-out loss where computed
             # at a save step must all be finite. The error names the step and the last checkpoint saved.
-            problem = _step_problem(step, loss, gnorm, bool(finite), saver.where())
+            problem = _step_problem(step, loss, gnorm, finite, saver.where())
             save_due = step % cfg.train.ckpt_every == 0 or step == run.total or stop.signal is not None
             if problem is None and (step % cfg.train.eval_every == 0 or step == run.total):
                 rec["eval_loss"] = run.evaluate(run.params)
