@@ -53,7 +53,7 @@ from laplace_jax.model import init_params, param_shapes
 from laplace_jax.optim import build_optimizer, make_schedule
 from laplace_jax.neuron import host_init_params, host_key, is_neuron, use_rbg_prng
 from laplace_jax.metrics import RunLog
-from laplace_jax.platform import select_platform
+from laplace_jax.platform import gpu_memory_note, select_platform, size_gpu_memory
 from laplace_jax.rundir import RunDirBusy, RunDirLock
 from laplace_jax.sharding import (batch_sharding, make_mesh, opt_state_shardings, param_shardings,
                                   replicated)
@@ -629,8 +629,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         overrides = list(args.overrides) + ([f"platform={args.platform}"] if args.platform else [])
         cfg = load_config(args.config, overrides)
+        gpu_env = size_gpu_memory(cfg.platform, cfg.train.gpu_mem_fraction)   # before JAX starts its backend
         select_platform(cfg.platform)
         _init_distributed(args)
+        note = gpu_memory_note(gpu_env)
+        if note and jax.process_index() == 0:
+            print(note, file=sys.stderr)
         summary = train(cfg, args.run_dir, steps=args.steps)
     except (ConfigError, DataError, ckpt.CheckpointError, RunDirBusy) as e:   # what the user gave: fix and rerun
         return _fail(e, EXIT_USAGE)
