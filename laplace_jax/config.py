@@ -116,6 +116,9 @@ class TrainConfig:
     keep_ckpts: int = 3
     async_ckpt: bool = True
     peak_flops: float = 0.0          # per device, for MFU; 0 = guess from the platform
+    gpu_mem_fraction: float = 0.94   # share of each GPU for JAX's memory pool (its default 0.75 leaves the 3B's
+                                     # fastest micro-batch too little); set by the trainer unless the user set
+                                     # XLA_PYTHON_CLIENT_MEM_FRACTION or another pool variable (platform.py)
     grad_sync: GradSync = "step"          # step: gather weights / reduce-scatter grads once per step |
                                      # micro: per micro-step (plain SPMD); laplace_jax/grad_accum.py
 
@@ -183,6 +186,9 @@ def validate(cfg: Config) -> Config:
     _check(t.batch_tokens % m.seq_len == 0,
            f"train.batch_tokens={t.batch_tokens} is not a multiple of model.seq_len={m.seq_len}: "
            f"use a multiple of {m.seq_len}")
+    _check(0 < t.gpu_mem_fraction <= 1,
+           f"train.gpu_mem_fraction={t.gpu_mem_fraction}: must be in (0, 1], the share of each GPU's memory "
+           f"JAX may take")
     for key, seed in (("train.seed", cfg.train.seed), ("data.shuffle_seed", cfg.data.shuffle_seed)):
         _check(0 <= seed < 2 ** 31, f"{key}={seed}: must be in [0, 2**31)")   # jax's PRNGKey takes 32 bits
     _check(cfg.mesh.data > 0, f"mesh.data={cfg.mesh.data}: must be positive")

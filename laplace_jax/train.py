@@ -53,7 +53,7 @@ from laplace_jax.model import init_params, param_shapes
 from laplace_jax.optim import build_optimizer, make_schedule
 from laplace_jax.neuron import host_init_params, host_key, is_neuron, use_rbg_prng
 from laplace_jax.metrics import RunLog
-from laplace_jax.platform import select_platform
+from laplace_jax.platform import gpu_memory_note, select_platform, size_gpu_memory
 from laplace_jax.rundir import RunDirBusy, RunDirLock
 from laplace_jax.sharding import (batch_sharding, make_mesh, opt_state_shardings, param_shardings,
                                   replicated)
@@ -75,15 +75,24 @@ class TrainError(RuntimeError):
 
 # ----------------------------------------------------------------------------- pure step functions
 
+FINITE_CHECK_SCOPE = "finite_check"   # the step's finite check: the name scope of its ops in the HLO
+
 def make_train_step(cfg: Config, tx: optax.GradientTransformation, mesh: Mesh | None = None) -> Callable:
     """(params, opt_state, batch [A, M, S]) → (params, opt_state, metrics); A micro-batches accumulated
-    (`laplace_jax.grad_accum`: with a mesh, weights gathered once per step by default)."""
+    (`laplace_jax.grad_accum`: with a mesh, weights gathered once per step by default). metrics: scalar
+    loss and grad_norm (float32), and `finite` (bool): every float leaf of the new params and opt_state
+    is free of inf and nan."""
 
     def step(params, opt_state, batch):
         loss, grads = accumulate(params, batch, cfg, mesh)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        # The new state's finite check, in the step's own program: no second program re-reading every
+        # parameter and optimizer state after the step, and XLA may fuse each leaf's reduction into the
+        # pass that writes it (multi-output fusion). The scope names its ops in the HLO.
+        with jax.named_scope(FINITE_CHECK_SCOPE):
+            finite = all_finite(params, opt_state)
+        return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), "finite": finite}
 
     return step
 
@@ -408,8 +417,8 @@ class _Saver:
             raise ckpt.save_failed(self.run.run_dir, step, e, self.need, self.last_good) from None
 
 
-def _announce_and_compile(run: Run) -> tuple[Callable, Callable]:
-    """Print the run's set-up; compile the step and the on-device finite check once, before step 1."""
+def _announce_and_compile(run: Run) -> Callable:
+    """Print the run's set-up; compile the step (its finite check included) once, before step 1."""
     prog, log = run.prog, run.log
     L, mesh = prog.layout, prog.mesh
     log.note(f"laplace_jax.train: {run.cfg.name} | {jax.device_count()} {jax.devices()[0].platform} device(s), "
@@ -426,73 +435,158 @@ def _announce_and_compile(run: Run) -> tuple[Callable, Callable]:
     t0 = time.perf_counter()
     abs_p, abs_o, abs_b = prog.abstract_args()
     step_fn = prog.step_fn.lower(abs_p, abs_o, abs_b).compile()
-    # the new parameters and optimizer state are checked on the device after every step, before any save
-    finite_fn = jax.jit(all_finite, in_shardings=(prog.param_sh, prog.opt_sh),
-                        out_shardings=replicated(mesh)).lower(abs_p, abs_o).compile()
     log.note(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
-    return step_fn, finite_fn
+    return step_fn
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A step launched on the devices whose metrics the host has not read yet."""
+
+    step: int
+    metrics: dict[str, jax.Array]    # loss, grad_norm, finite: scalars still being computed
+    t_start: float                   # when the host began to build its batch
+
+
+def _launch(run: Run, step_fn: Callable, step: int) -> _Launched:
+    """Build step `step`'s batch, put it on the devices and launch the step without waiting for it:
+    run.params and run.opt_state become its outputs (the previous ones are donated to it)."""
+    t0 = time.perf_counter()
+    batch = _global_batch(next(run.data_iter), run.prog.layout, run.prog.batch_sh)
+    run.params, run.opt_state, metrics = step_fn(run.params, run.opt_state, batch)
+    return _Launched(step, metrics, t0)
+
+
+def _read_before_next(step: int, cfg: Config, total: int) -> bool:
+    """Whether step `step` is read before the next step is launched: the last step, and one whose state
+    is evaluated or saved (the next step would take over its buffers, and a checkpoint records the data
+    iterator's position after its batch). Any other step is read while the next one runs."""
+    return step >= total or step % cfg.train.ckpt_every == 0 or step % cfg.train.eval_every == 0
+
+
+class _LearningRates:
+    """The schedule's learning rate of each step, for the metrics rows, computed on the device a block
+    of steps at a time: a call per step would wait behind the step in flight and undo the overlap."""
+
+    BLOCK = 4096
+
+    def __init__(self, schedule: optax.Schedule, first_step: int, last_step: int):
+        self.fn, self.last = schedule, last_step   # op by op, as on a scalar: the same values (not jitted)
+        self.first, self.values = 0, np.zeros(0)
+        self(first_step)
+
+    def __call__(self, step: int) -> float:
+        """The learning rate step `step` (1-based, <= last_step) applies: schedule(step - 1)."""
+        i = step - 1
+        if not self.first <= i < self.first + len(self.values):
+            ids = np.arange(i, min(i + self.BLOCK, self.last), dtype=np.int32)
+            self.first, self.values = i, np.asarray(self.fn(ids))
+        return float(self.values[i - self.first])
+
+
+@dataclasses.dataclass
+class _Throughput:
+    """What a metrics row's rates need: tokens and model FLOPs per step, and the devices' peak."""
+
+    tokens_per_step: int
+    flop_per_token: float            # 6N + the GLA mixing
+    peak: float | None               # per device
+    n_devices: int
+
+    @classmethod
+    def of(cls, run: Run) -> "_Throughput":
+        L, cfg = run.prog.layout, run.cfg
+        n_params = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(run.prog.shapes))
+        return cls(L.seqs_per_step * L.seq_len, 6 * n_params + 3 * gla_flop_per_token(cfg), _peak_flops(cfg),
+                   jax.device_count())
+
+    def row(self, dt: float) -> dict[str, Any]:
+        flops = self.tokens_per_step * self.flop_per_token / dt
+        return {"tokens_per_s": self.tokens_per_step / dt, "step_time_s": dt,
+                "mfu": flops / (self.peak * self.n_devices) if self.peak else None, "mfu_flop": "6N+GLA"}
+
+
+@dataclasses.dataclass
+class _Loop:
+    """The state `run_loop` shares with `_complete`."""
+
+    run: Run
+    saver: _Saver
+    stop: _Stop
+    lrs: _LearningRates
+    rates: _Throughput
+    losses: dict[int, float]
+    t_done: float = -math.inf        # when the host saw the previous step done
+
+
+def _complete(loop: _Loop, done: _Launched, ahead: bool) -> None:
+    """Wait for step `done.step`, then check, evaluate, log and save it as due. `ahead`: the next step
+    is already running (so this one is neither evaluated nor saved: `_read_before_next`). Its time is
+    from the later of its batch's start and the previous step's end to its end: between consecutive
+    ends while steps overlap."""
+    run, saver, cfg, step = loop.run, loop.saver, loop.run.cfg, done.step
+    m = jax.device_get(done.metrics)   # the step's end: its three scalars in one transfer
+    t_done = time.perf_counter()
+    dt, loop.t_done = t_done - max(done.t_start, loop.t_done), t_done
+    loss, gnorm, finite = float(m["loss"]), float(m["grad_norm"]), bool(m["finite"])
+    rec = {"step": step, "loss": loss, "grad_norm": gnorm, "lr": loop.lrs(step), **loop.rates.row(dt)}
+    # Nothing from a non-finite step is saved: the loss and gradient norm (computed before the update),
+    # the updated parameters and optimizer state, and the held-out loss where computed at a save step
+    # must all be finite. The error names the step and the last checkpoint saved; a step launched after
+    # this one is dropped with it.
+    problem = _step_problem(step, loss, gnorm, finite, saver.where())
+    save_due = step % cfg.train.ckpt_every == 0 or step == run.total or (loop.stop.signal is not None and not ahead)
+    if problem is None and (step % cfg.train.eval_every == 0 or step == run.total):
+        rec["eval_loss"] = run.evaluate(run.params)
+        run.log.note(f"step {step}: train loss {loss:.4f}, held-out loss {rec['eval_loss']:.4f} "
+                     f"({cfg.train.eval_batches} batches)")
+        if save_due and not math.isfinite(rec["eval_loss"]):
+            problem = (f"non-finite held-out loss at step {step} (after its update; eval_loss="
+                       f"{rec['eval_loss']}, loss={loss}, grad_norm={gnorm}); the step {step} checkpoint "
+                       f"was not saved; {saver.where()}: lower optim.lr")
+    if problem is not None:
+        rec["error"] = problem
+        run.log.log(rec, show=False)
+        raise TrainError(problem)
+    loop.losses[step] = loss
+    run.log.log(rec, show=step % cfg.train.log_every == 0)
+    if save_due:
+        saver.save(step)
 
 
 def run_loop(run: Run) -> dict[str, Any]:
     """Step until `run.total`, a signal (SIGTERM/SIGINT: finish the step, save, stop) or a non-finite
-    step; rows go to `run.log`'s hooks, checkpoints every cfg.train.ckpt_every steps and at the end."""
-    cfg, prog, log = run.cfg, run.prog, run.log
-    L = prog.layout
-    schedule = make_schedule(cfg.optim)
-    flop_per_token = 6 * sum(int(np.prod(s.shape)) for s in jax.tree.leaves(prog.shapes)) + 3 * gla_flop_per_token(cfg)
-    peak = _peak_flops(cfg)
-    tokens_per_step = L.seqs_per_step * L.seq_len
-    step_fn, finite_fn = _announce_and_compile(run)
-    saver, stop = _Saver(run), _Stop()
-    step = run.start
-    summary: dict[str, Any] = {"run_dir": str(run.run_dir), "start_step": run.start, "losses": {}}
+    step; rows go to `run.log`'s hooks, checkpoints every cfg.train.ckpt_every steps and at the end.
+    Step N+1 is launched before step N's metrics are read (the host builds and sends a batch while the
+    devices compute), except after a step that is evaluated, saved or last, or once a signal came."""
+    cfg = run.cfg
+    step_fn = _announce_and_compile(run)
+    step, launched = run.start, None
+    lrs, rates = _LearningRates(make_schedule(cfg.optim), step + 1, max(run.total, step + 1)), _Throughput.of(run)
+    loop = _Loop(run, _Saver(run), _Stop(), lrs, rates, {})
+    saver, stop = loop.saver, loop.stop
     try:
-        while step < run.total and stop.signal is None:
-            saver.raise_if_failed()            # no step runs on past a save known to have failed
-            t0 = time.perf_counter()
-            batch = _global_batch(next(run.data_iter), L, prog.batch_sh)
-            run.params, run.opt_state, m = step_fn(run.params, run.opt_state, batch)
-            finite = finite_fn(run.params, run.opt_state)
-            loss, gnorm = float(m["loss"]), float(m["grad_norm"])
-            dt = time.perf_counter() - t0
-            step += 1
-            rec = {"step": step, "loss": loss, "grad_norm": gnorm, "lr": float(schedule(step - 1)),
-                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-                   "mfu": (tokens_per_step * flop_per_token / dt / (peak * jax.device_count())) if peak else None,
-                   "mfu_flop": "6N+GLA"}
-            # Nothing from a non-finite step is saved: the loss and gradient norm (computed before the
-            # update), the updated parameters and optimizer state, and the held-out loss where computed
-            # at a save step must all be finite. The error names the step and the last checkpoint saved.
-            problem = _step_problem(step, loss, gnorm, bool(finite), saver.where())
-            save_due = step % cfg.train.ckpt_every == 0 or step == run.total or stop.signal is not None
-            if problem is None and (step % cfg.train.eval_every == 0 or step == run.total):
-                rec["eval_loss"] = run.evaluate(run.params)
-                log.note(f"step {step}: train loss {loss:.4f}, held-out loss {rec['eval_loss']:.4f} "
-                         f"({cfg.train.eval_batches} batches)")
-                if save_due and not math.isfinite(rec["eval_loss"]):
-                    problem = (f"non-finite held-out loss at step {step} (after its update; eval_loss="
-                               f"{rec['eval_loss']}, loss={loss}, grad_norm={gnorm}); the step {step} checkpoint "
-                               f"was not saved; {saver.where()}: lower optim.lr")
-            if problem is not None:
-                rec["error"] = problem
-                log.log(rec, show=False)
-                raise TrainError(problem)
-            summary["losses"][step] = loss
-            log.log(rec, show=step % cfg.train.log_every == 0)
-            if save_due:
-                saver.save(step)
+        while launched is not None or (step < run.total and stop.signal is None):
+            saver.raise_if_failed()            # no step is launched past a save known to have failed
+            if launched is None:
+                launched = _launch(run, step_fn, step + 1)
+            ahead = None
+            if stop.signal is None and not _read_before_next(launched.step, cfg, run.total):
+                ahead = _launch(run, step_fn, launched.step + 1)
+            _complete(loop, launched, ahead is not None)
+            step, launched = launched.step, ahead
         if stop.signal is not None and saver.last_good != step:
             saver.save(step)
         t0 = time.perf_counter()
         saver.raise_if_failed(wait=True)
         if saver.last_good is not None and saver.last_good > run.start:
-            log.note(f"checkpoints written (waited {time.perf_counter() - t0:.1f} s at exit)")
+            run.log.note(f"checkpoints written (waited {time.perf_counter() - t0:.1f} s at exit)")
     finally:
         stop.restore()
     if stop.signal is not None:
-        log.note(f"stopped by {signal.Signals(stop.signal).name} at step {step}; checkpoint step {step} saved")
-    summary.update(final_step=step, params=run.params, stopped_by_signal=stop.signal)
-    return summary
+        run.log.note(f"stopped by {signal.Signals(stop.signal).name} at step {step}; checkpoint step {step} saved")
+    return {"run_dir": str(run.run_dir), "start_step": run.start, "losses": loop.losses, "final_step": step,
+            "params": run.params, "stopped_by_signal": stop.signal}
 
 
 def train(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quiet: bool = False) -> dict[str, Any]:
@@ -535,8 +629,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         overrides = list(args.overrides) + ([f"platform={args.platform}"] if args.platform else [])
         cfg = load_config(args.config, overrides)
+        gpu_env = size_gpu_memory(cfg.platform, cfg.train.gpu_mem_fraction)   # before JAX starts its backend
         select_platform(cfg.platform)
         _init_distributed(args)
+        note = gpu_memory_note(gpu_env)
+        if note and jax.process_index() == 0:
+            print(note, file=sys.stderr)
         summary = train(cfg, args.run_dir, steps=args.steps)
     except (ConfigError, DataError, ckpt.CheckpointError, RunDirBusy) as e:   # what the user gave: fix and rerun
         return _fail(e, EXIT_USAGE)

@@ -1,6 +1,7 @@
 """What the Neuron compiler refuses, counted in lowered StableHLO (`jit(f).lower(...).as_text()`)
 or compiled HLO (`.compile().as_text()`) text: conditionals, host callbacks, dynamic shapes, and
-the while loops (jax-neuronx accepts those with a static trip count). Used by test_neuron.py."""
+the while loops (jax-neuronx accepts those with a static trip count). Used by test_neuron.py. Also
+where a name scope's is-finite ops run in compiled HLO (the train step's finite check: test_nonfinite.py)."""
 from __future__ import annotations
 
 import re
@@ -37,4 +38,31 @@ def neuron_violations(text: str, *, allow_while: bool = True) -> list[str]:
     out = [f"{r[k]} {k.replace('_', ' ')} op(s)" for k in ("conditional", "host_callback", "dynamic_shape") if r[k]]
     if r["while"] and not allow_while:
         out.append(f"{r['while']} while loop(s)")
+    return out
+
+
+# ----------------------------------------------------------------------------- where a check's reductions run
+
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%(\S+)\s.*\{\s*$")
+_ROOT_TUPLE = re.compile(r"^\s*ROOT\s+%\S+\s*=\s*\(.*?\)\s+tuple\((.*)\)")
+_IS_FINITE = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*\S+\s+is-finite\(%([^),\s]+)\).*op_name=\"([^\"]*)\"")
+
+
+def is_finite_placement(text: str, scope: str) -> dict[str, int]:
+    """Where the is-finite ops of name scope `scope` run, in compiled HLO text (`.compile().as_text()`):
+    `fused`: in a multi-output fusion that also writes the value it checks (the check costs no read of
+    its own); `reads`: anywhere else (a pass that reads the stored value back, or recomputes it)."""
+    out = {"fused": 0, "reads": 0}
+    blocks: list[list[str]] = []
+    for line in text.splitlines():
+        if _COMPUTATION.match(line):
+            blocks.append([])
+        elif blocks:
+            blocks[-1].append(line)
+    for lines in blocks:
+        root = next((m.group(1) for m in map(_ROOT_TUPLE.match, lines) if m), "")
+        written = set(re.findall(r"%([^,\s)]+)", root))
+        for m in map(_IS_FINITE.match, lines):
+            if m and f"/{scope}/" in m.group(2):
+                out["fused" if m.group(1) in written else "reads"] += 1
     return out

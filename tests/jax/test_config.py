@@ -43,6 +43,8 @@ def test_dotted_overrides_reach_every_section():
     (["execution.mix_impl=pallas", "train.grad_sync=micro"], "set train.grad_sync=step or execution.mix_impl=auto"),
     (["model.remat=full"], "'model.remat' is an execution choice now: write execution.remat"),
     (["steps"], "expected key=value"),
+    (["train.gpu_mem_fraction=0"], "train.gpu_mem_fraction=0.0: must be in (0, 1]"),
+    (["train.gpu_mem_fraction=1.5"], "train.gpu_mem_fraction=1.5: must be in (0, 1]"),
 ])
 def test_errors_are_one_line_and_name_the_fix(overrides, message):
     with pytest.raises(ConfigError) as e:

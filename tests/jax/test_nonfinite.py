@@ -1,16 +1,26 @@
 """A diverged step is never saved (issue 18): `python -m laplace_jax.train` on the tiny config stops with a
 one-line error naming the step, the last checkpoint saved from finite weights and the fix; non-finite
-float settings are config errors; metrics.jsonl is strict JSON."""
+float settings are config errors; metrics.jsonl is strict JSON. The finite check of the new state runs
+inside the train step's own program (issue 34) and changes none of its numbers."""
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 
 from conftest import cli_env
-from laplace_jax.config import ConfigError, load_config
+from hlo_checks import is_finite_placement
+from laplace_jax.config import ConfigError, load_config, resolve_execution
+from laplace_jax.grad_accum import accumulate
+from laplace_jax.model import init_params
+from laplace_jax.sharding import make_mesh
+from laplace_jax.train import FINITE_CHECK_SCOPE, all_finite, build_program
 
 ROOT = Path(__file__).resolve().parents[2]
 # one device, one held-out batch, a checkpoint every step
@@ -113,3 +123,75 @@ def test_non_finite_lr_on_the_command_line(tmp_path):
     assert rc == 2 and re.fullmatch(r"error: config \S*laplace_tiny\.yaml: optim\.lr=inf: must be a finite number",
                                     err[-1]), err
     assert not (tmp_path / "r").exists()
+
+
+# ----------------------------------------------------------------------------- the check inside the step
+
+def _previous_step(cfg, tx, mesh):
+    """The train step as it was before the check moved into it: no flag (a second program checked)."""
+    def step(params, opt_state, batch):
+        loss, grads = accumulate(params, batch, cfg, mesh)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+    return step
+
+
+@pytest.fixture(scope="module")
+def small_step():
+    """The trainer's program for the tiny config at one layer, a 512-token vocabulary and 32-token
+    sequences, 2 of them a step, on one device, and its step compiled."""
+    cfg = load_config("laplace_tiny", ["model.num_layers=1", "model.vocab_size=512", "model.seq_len=32",
+                                       "model.num_chunks=4", "train.batch_tokens=64", "train.micro_batch=2"])
+    cfg = resolve_execution(cfg, "cpu", gspmd=False)
+    prog = build_program(cfg, make_mesh(cfg.mesh, jax.devices()[:1]))
+    lowered = prog.step_fn.lower(*prog.abstract_args())
+    return prog, lowered, lowered.compile()
+
+
+def test_the_step_checks_every_float_leaf_in_its_own_program(small_step):
+    prog, lowered, compiled = small_step
+    finite = lowered.out_info[2]["finite"]
+    assert (finite.shape, finite.dtype) == ((), jnp.bool_)
+    n_float = sum(jnp.issubdtype(x.dtype, jnp.inexact) for x in jax.tree.leaves(prog.abstract_args()[:2]))
+    placed = is_finite_placement(compiled.as_text(), FINITE_CHECK_SCOPE)
+    # one is-finite per float leaf of the new params and optimizer state, all in the step's own module
+    # (on CPU XLA reads each back in a pass of its own; on a GPU `fused` counts those that run in the
+    # pass that writes the leaf)
+    assert placed["fused"] + placed["reads"] == n_float > 0, placed
+
+
+def _near_overflow(opt_state):
+    """`opt_state` with the first entry of each AdamW first moment (mu) at 3e38, finite: the next update
+    (mu over its bias correction 1 - 0.9**t, over sqrt(nu)) overflows to inf."""
+    def poison(path, x):
+        adam_mu = "'adamw'" in (k := jax.tree_util.keystr(path)) and ".mu[" in k
+        return x.at[(0,) * x.ndim].set(3e38) if adam_mu else x
+    return jax.tree_util.tree_map_with_path(poison, opt_state)
+
+
+def test_the_step_with_its_check_matches_the_previous_step_and_check(small_step):
+    """Bit for bit: three steps of the trainer's step against the previous step followed by `all_finite`
+    as a program of its own, from the same state and batches; then a step from a finite state whose
+    update overflows, which both call not finite (the flag checks the new state, not the old)."""
+    prog, _, step = small_step
+    previous = jax.jit(_previous_step(prog.cfg, prog.tx, prog.mesh),
+                       in_shardings=(prog.param_sh, prog.opt_sh, prog.batch_sh))
+    check = jax.jit(all_finite, in_shardings=(prog.param_sh, prog.opt_sh))
+    params = jax.jit(init_params, static_argnums=0, out_shardings=prog.param_sh)(prog.cfg.model,
+                                                                                 jax.random.PRNGKey(0))
+    state = (params, jax.jit(prog.tx.init, out_shardings=prog.opt_sh)(params))
+    ours = theirs = state
+    L, rng = prog.layout, np.random.default_rng(0)
+    for i in range(4):
+        toks = rng.integers(0, prog.cfg.model.vocab_size, (L.accum, L.micro, L.seq_len + 1), dtype=np.int32)
+        batch = jax.device_put({"inputs": toks[..., :-1], "targets": toks[..., 1:]}, prog.batch_sh)
+        if i == 3:
+            ours = theirs = (ours[0], _near_overflow(ours[1]))
+            assert bool(check(*theirs))
+        p0, o0, m0 = previous(*theirs, batch)     # first: the trainer's step donates its inputs
+        p1, o1, m1 = step(*ours, batch)
+        assert (float(m1["loss"]), float(m1["grad_norm"])) == (float(m0["loss"]), float(m0["grad_norm"]))
+        assert bool(m1["finite"]) == bool(check(p0, o0)) == (i < 3)
+        for a, b in zip(jax.tree.leaves((p1, o1)), jax.tree.leaves((p0, o0))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        ours, theirs = (p1, o1), (p0, o0)

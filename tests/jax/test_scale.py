@@ -38,7 +38,8 @@ def test_3b_train_step_lowers(cfg_3b, n):
     same = lambda a, b: (a.shape, a.dtype) == (b.shape, b.dtype)
     assert jax.tree.all(jax.tree.map(same, params, args[0]))
     assert jax.tree.all(jax.tree.map(same, opt_state, args[1]))
-    assert {k: v.shape for k, v in metrics.items()} == {"loss": (), "grad_norm": ()}
+    assert {k: (v.shape, v.dtype) for k, v in metrics.items()} == {
+        "loss": ((), np.float32), "grad_norm": ((), np.float32), "finite": ((), np.bool_)}
     text = lowered.as_text()
     a2a = text.count("all_to_all")
     # One FSDP rank owns every matrix: Muon runs no collective. More ranks: Muon's two all_to_alls.

@@ -1,5 +1,6 @@
 """`python -m laplace_jax.train` end to end on the demo corpus: learning, exact resume after SIGKILL,
-kill during an async save, multi-process = single-process, and one-line errors for bad input."""
+kill during an async save, multi-process = single-process, steps that overlap the host's work, and
+one-line errors for bad input."""
 import json
 import shutil
 import signal
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import laplace_jax.train as train_module
 from conftest import cli_env
 from laplace_jax.train import main
 
@@ -133,6 +135,37 @@ def test_two_processes_match_one_process(tmp_path):
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert sorted(a) == sorted(b) == [1, 2, 3]
     np.testing.assert_allclose([a[s] for s in a], [b[s] for s in a], rtol=1e-5)
+
+
+def test_the_next_step_runs_while_the_host_reads_one(tmp_path, capsys, monkeypatch):
+    """Step N+1 is launched before step N is read, except after a save step, or once a signal came:
+    SIGTERM during step 5's launch (step 4 still unread) saves step 5, not 4, and launches nothing more."""
+    order = []
+    launch, complete = train_module._launch, train_module._complete
+
+    def spy_launch(run, step_fn, step):
+        out = launch(run, step_fn, step)
+        order.append(f"L{step}")
+        if step == 5:
+            signal.raise_signal(signal.SIGTERM)
+        return out
+
+    def spy_complete(loop, done, ahead):
+        order.append(f"C{done.step}")
+        complete(loop, done, ahead)
+
+    monkeypatch.setattr(train_module, "_launch", spy_launch)
+    monkeypatch.setattr(train_module, "_complete", spy_complete)
+    run = tmp_path / "run"
+    # in-process: the test session's 8 emulated devices, 8 MQAR sequences of 32 a step (a 64-token vocabulary)
+    status = main(["--config", "laplace_mqar", "--run-dir", str(run), "--steps", "8", "model.num_layers=1",
+                   "model.seq_len=32", "model.num_chunks=4", "train.batch_tokens=256", "train.micro_batch=8",
+                   "train.ckpt_every=3", "train.eval_every=1000", "train.log_every=1"])
+    assert status == 128 + signal.SIGTERM, capsys.readouterr().err[-2000:]
+    assert order == "L1 L2 C1 L3 C2 C3 L4 L5 C4 C5".split()
+    assert committed(run) == [3, 5]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and all(r["step_time_s"] > 0 for r in rows)
 
 
 # ----------------------------------------------------------------------------- bad input
