@@ -86,24 +86,36 @@ class JsonlLog:
 
 
 class TensorBoardLog:
-    """Scalars of `TB_TAGS` to `run_dir/tensorboard/`, flushed every step (a kill loses nothing logged)."""
+    """Scalars of `TB_TAGS` to `run_dir/tensorboard/`, written and flushed by the calling thread every
+    step, so a kill loses nothing logged. (tensorboardX's SummaryWriter hands events to a background
+    thread whose queue its `flush()` does not drain: a SIGKILL right after a step could lose that
+    step's row.) The file is the one SummaryWriter writes: a version event, then, for a resumed run,
+    a session START at the first new step, which tells TensorBoard to drop any later steps that
+    earlier files hold (SummaryWriter's `purge_step`)."""
 
     def __init__(self, run_dir: Path, resumed_step: int):
-        from tensorboardX import SummaryWriter
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
 
+        folder = run_dir / "tensorboard"
+        folder.mkdir(parents=True, exist_ok=True)
         # the suffix keeps two writers started within one second (the name holds seconds) from sharing a file
-        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resumed_step + 1, flush_secs=3600,
-                                    filename_suffix=f".{time.time_ns()}")
+        self.events = EventsWriter(str(folder / "events"), filename_suffix=f".{time.time_ns()}")
+        self.events.write_event(Event(step=resumed_step + 1, session_log=SessionLog(status=SessionLog.START)))
+        self.events.flush()
 
     def log(self, rec: dict[str, Any], show: bool) -> None:
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.summary import scalar
+
         for key, tag in TB_TAGS.items():
             v = rec.get(key)
             if isinstance(v, (int, float)) and math.isfinite(v):
-                self.writer.add_scalar(tag, v, rec["step"])
-        self.writer.flush()
+                self.events.write_event(Event(wall_time=time.time(), step=rec["step"], summary=scalar(tag, v)))
+        self.events.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        self.events.close()
 
 
 class ProgressBar:
