@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -242,6 +243,7 @@ def main() -> None:
         for variant in a.variants.split(","):
             run_dir = str(Path(tmp) / variant)
             results += [_child(a, "save", variant, run_dir), _child(a, "restore", variant, run_dir)]
+            shutil.rmtree(run_dir)   # a 3B checkpoint is 21.6 GiB: one variant's on the disk at a time
     for r in results:
         print(json.dumps(r))
     if a.out:
