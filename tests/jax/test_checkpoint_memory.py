@@ -1,8 +1,9 @@
 """Host memory of a checkpoint save and restore (issue 34 item 4): the trainer's manager holds at most
 `io` bytes of array data in flight per item, where orbax's defaults held the encoded bytes of every
-array at once (+0.94-0.99 S for the state below, measured on the old manager), and `io_bytes` never
-goes below what orbax must hold of one array. One subprocess (about 10 s): the measurement needs a
-fresh process, with malloc returning freed memory at once so that the RSS follows what is live."""
+array at once (0.56-0.99 S beyond the state below on the old manager; the bound is 0.27 S, the new
+one measures 0.05-0.10 S), and `io_bytes` never goes below what orbax must hold of one array. One
+subprocess (about 10 s): the measurement needs a fresh process, with malloc returning freed memory
+at once so that the RSS follows what is live."""
 import json
 import subprocess
 import sys
