@@ -48,12 +48,49 @@ def available_steps(run_dir: str | Path) -> list[int]:
     return sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit())
 
 
-def make_manager(run_dir: str | Path, *, keep: int, async_save: bool = True) -> ocp.CheckpointManager:
+# ----------------------------------------------------------------------------- host memory
+# An async save copies the state to host memory (training goes on and donates the device buffers),
+# then encodes (zstd) and writes it. Left to orbax's defaults, (1) every array was encoded and written
+# at once (save_concurrent_gb=96): the encoded bytes, up to another copy of the state, were in flight
+# together; (2) on a GPU the copy went to pinned host memory, which XLA takes from its host BFC pool
+# (xla_gpu_host_bfc: grown in doubling regions, kept once grown); (3) a restore read every array
+# into host memory at once (restore_concurrent_gb=96). Now each item (params, train) holds at most
+# `io_bytes` of arrays in flight when writing or reading, and the copy is ordinary (pageable) host
+# memory, dropped with the arrays it copied once they are written. The files are the same.
+
+
+def io_bytes(cfg: Config) -> int:
+    """Bytes of array data one item (params, train) may hold in host write or read buffers at once:
+    train.ckpt_io_gb, raised above the largest array. orbax writes or reads a device's shard of an
+    array as one piece and refuses a piece over its budget; optimizer leaves have the parameters'
+    shapes (Muon momentum, AdamW moments)."""
+    from laplace_jax.model import param_shapes
+
+    largest = max(arrays_bytes(s) for s in jax.tree.leaves(param_shapes(cfg.model)))
+    return max(int(cfg.train.ckpt_io_gb * 1e9), largest + (1 << 20))   # a MiB over: GB are floats
+
+
+def _array_handler(io: int, pinned: bool | None) -> ocp.PyTreeCheckpointHandler:
+    gb = None if io <= 0 else io / 1e9   # orbax counts in GB (of 1e9 bytes); None: its default, 96
+    return ocp.PyTreeCheckpointHandler(save_concurrent_gb=gb, restore_concurrent_gb=gb,
+                                       enable_pinned_host_transfer=pinned)
+
+
+def make_manager(run_dir: str | Path, cfg: Config) -> ocp.CheckpointManager:
+    """The run's checkpoint manager: cfg.train's keep_ckpts, async_ckpt and `io_bytes`."""
+    return manager_for(run_dir, keep=cfg.train.keep_ckpts, async_save=cfg.train.async_ckpt, io=io_bytes(cfg))
+
+
+def manager_for(run_dir: str | Path, *, keep: int, async_save: bool, io: int,
+                pinned: bool | None = False) -> ocp.CheckpointManager:
+    """`make_manager` with its host-memory choices given: `io` bytes in flight per item (0: orbax's
+    default, 96 GB), `pinned` host copies (None: orbax's default, pinned on a GPU). With io=0 and
+    pinned=None it is the manager of before issue 34; benchmarks/ckpt_host_memory.py compares them."""
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                            enable_async_checkpointing=async_save)
     return ocp.CheckpointManager(checkpoint_dir(run_dir), options=options,
-                                 item_handlers={"params": ocp.StandardCheckpointHandler(),
-                                                "train": ocp.StandardCheckpointHandler(),
+                                 item_handlers={"params": _array_handler(io, pinned),
+                                                "train": _array_handler(io, pinned),
                                                 "data": grain.checkpoint.CheckpointHandler(),
                                                 "meta": ocp.JsonCheckpointHandler()})
 
@@ -64,7 +101,7 @@ def save(mngr: ocp.CheckpointManager, step: int, params: Any, train: Any, data_i
     meta = {"format": FORMAT, "step": int(step), "config": config_to_dict(cfg),
             "params_checksum": params_checksums(params)}
     mngr.save(step, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(params), train=ocp.args.StandardSave(train),
+        params=ocp.args.PyTreeSave(params), train=ocp.args.PyTreeSave(train),
         data=grain.checkpoint.CheckpointSave(data_iter), meta=ocp.args.JsonSave(meta)), force=force)
 
 
@@ -99,11 +136,21 @@ def _leaf_names(tree: Any) -> list[str]:
     return ["/".join(str(getattr(k, "key", k)) for k in path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
 
 
+def _in_host_memory(x: Any) -> bool:
+    """numpy, or a jax array on one CPU device (np.asarray views it without a copy)."""
+    if isinstance(x, np.ndarray):
+        return True
+    devices = x.devices() if isinstance(x, jax.Array) else ()
+    return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+
+
 def params_checksums(params: Any) -> dict[str, int]:
-    """{leaf path ("layers/w_3"): checksum} of a float32 parameter tree (jax or numpy arrays)."""
+    """{leaf path ("layers/w_3"): checksum} of a float32 parameter tree (jax or numpy arrays).
+    Arrays in host memory are summed there, in chunks: XLA:CPU materialises the bits and products of
+    a whole leaf (a temporary of the parameters' size, +43% of a train state, at each save and restore)."""
     leaves = jax.tree.leaves(params)
-    if all(isinstance(x, np.ndarray) for x in leaves):
-        sums = [_host_checksum(x) for x in leaves]
+    if all(_in_host_memory(x) for x in leaves):
+        sums = [_host_checksum(np.asarray(x)) for x in leaves]
     else:
         sums = [int(x) for x in jax.device_get(jax.tree.leaves(_device_checksums(params)))]
     return dict(zip(_leaf_names(params), sums))
@@ -271,12 +318,17 @@ def check_compatible(run_dir: str | Path, step: int, cfg: Config) -> None:
                               f"({len(diff)} model field(s) differ)")
 
 
+def _pytree_restore(abstract: Any) -> ocp.args.PyTreeRestore:
+    """Arrays into the shardings of `abstract`'s ShapeDtypeStructs, numpy leaves as numpy."""
+    return ocp.args.PyTreeRestore(item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
+
+
 def restore(mngr: ocp.CheckpointManager, run_dir: str | Path, step: int, abstract_params: Any,
             abstract_train: Any, data_iter: Any) -> tuple[Any, Any]:
     """Restore params and train state into the shardings of the abstract targets; moves `data_iter`."""
     try:
         out = mngr.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(abstract_params), train=ocp.args.StandardRestore(abstract_train),
+            params=_pytree_restore(abstract_params), train=_pytree_restore(abstract_train),
             data=grain.checkpoint.CheckpointRestore(data_iter)))
     except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types for damaged files
         if "tree structures do not match" in str(e):

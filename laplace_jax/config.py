@@ -115,6 +115,8 @@ class TrainConfig:
     ckpt_every: int = 1000
     keep_ckpts: int = 3
     async_ckpt: bool = True
+    ckpt_io_gb: float = 2.0          # GB of array data a checkpoint item may hold in host write/read
+                                     # buffers at once (raised above the largest array); checkpoint.io_bytes
     peak_flops: float = 0.0          # per device, for MFU; 0 = guess from the platform
     gpu_mem_fraction: float = 0.94   # share of each GPU for JAX's memory pool (its default 0.75 leaves the 3B's
                                      # fastest micro-batch too little); set by the trainer unless the user set
@@ -183,6 +185,8 @@ def validate(cfg: Config) -> Config:
     for name in ("batch_tokens", "micro_batch", "steps", "log_every", "eval_every", "eval_batches",
                  "ckpt_every", "keep_ckpts"):
         _check(getattr(t, name) > 0, f"train.{name}={getattr(t, name)}: must be positive")
+    _check(t.ckpt_io_gb > 0, f"train.ckpt_io_gb={t.ckpt_io_gb}: must be positive (GB of arrays a checkpoint "
+                             f"save or restore holds in host buffers at once, per item; the default is 2)")
     _check(t.batch_tokens % m.seq_len == 0,
            f"train.batch_tokens={t.batch_tokens} is not a multiple of model.seq_len={m.seq_len}: "
            f"use a multiple of {m.seq_len}")

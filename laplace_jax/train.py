@@ -311,7 +311,7 @@ def open_run(cfg: Config, run_dir: str | Path, *, steps: int | None = None, quie
         raise
     unlog = ckpt.log_orbax_to(run_dir)
     try:
-        mngr = ckpt.make_manager(run_dir, keep=cfg.train.keep_ckpts, async_save=cfg.train.async_ckpt)
+        mngr = ckpt.make_manager(run_dir, cfg)
         latest = mngr.latest_step()
         t0 = time.perf_counter()
         if latest is not None:
