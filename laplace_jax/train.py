@@ -457,11 +457,21 @@ def _launch(run: Run, step_fn: Callable, step: int) -> _Launched:
     return _Launched(step, metrics, t0)
 
 
+def _save_step(step: int, cfg: Config, total: int) -> bool:
+    """Whether step `step` is checkpointed on schedule: every train.ckpt_every steps and the last."""
+    return step % cfg.train.ckpt_every == 0 or step >= total
+
+
+def _eval_step(step: int, cfg: Config, total: int) -> bool:
+    """Whether step `step`'s held-out loss is computed: every train.eval_every steps and the last."""
+    return step % cfg.train.eval_every == 0 or step >= total
+
+
 def _read_before_next(step: int, cfg: Config, total: int) -> bool:
-    """Whether step `step` is read before the next step is launched: the last step, and one whose state
-    is evaluated or saved (the next step would take over its buffers, and a checkpoint records the data
-    iterator's position after its batch). Any other step is read while the next one runs."""
-    return step >= total or step % cfg.train.ckpt_every == 0 or step % cfg.train.eval_every == 0
+    """Whether step `step` is read before the next step is launched: one whose state is evaluated or
+    saved, the last included (the next step would take over its buffers, and a checkpoint records the
+    data iterator's position after its batch). Any other step is read while the next one runs."""
+    return _save_step(step, cfg, total) or _eval_step(step, cfg, total)
 
 
 class _LearningRates:
@@ -535,8 +545,8 @@ def _complete(loop: _Loop, done: _Launched, ahead: bool) -> None:
     # must all be finite. The error names the step and the last checkpoint saved; a step launched after
     # this one is dropped with it.
     problem = _step_problem(step, loss, gnorm, finite, saver.where())
-    save_due = step % cfg.train.ckpt_every == 0 or step == run.total or (loop.stop.signal is not None and not ahead)
-    if problem is None and (step % cfg.train.eval_every == 0 or step == run.total):
+    save_due = _save_step(step, cfg, run.total) or (loop.stop.signal is not None and not ahead)
+    if problem is None and _eval_step(step, cfg, run.total):
         rec["eval_loss"] = run.evaluate(run.params)
         run.log.note(f"step {step}: train loss {loss:.4f}, held-out loss {rec['eval_loss']:.4f} "
                      f"({cfg.train.eval_batches} batches)")
