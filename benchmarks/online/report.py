@@ -16,7 +16,7 @@ KEYS = ("request_throughput", "output_throughput", "duration") + tuple(
     f"{s}_{m}_ms" for m in METRICS for s in ("median", "p99", "mean"))
 MT_KEYS = tuple(f"{s}_ttft_{t}_ms" for t in ("first_turn", "later_turns") for s in ("median", "p99"))
 SLO_TTFT_MS, SLO_TPOT_MS = 1000.0, 50.0     # issue 32: p99 TTFT <= 1 s and p99 TPOT <= 50 ms
-HELD_FRACTION = 0.9                          # a finite rate is held when achieved >= 0.9 x offered
+HELD_FRACTION = 0.9                          # without a rate-inf row: achieved >= 0.9 x offered
 
 
 def rate_value(rate: float):
@@ -69,10 +69,20 @@ def hit_rate(row: dict) -> Optional[float]:
 
 # ----------------------------------------------------------------------------- the SLO figure
 
-def held(offered: float, achieved: float, fraction: float = HELD_FRACTION) -> bool:
-    """A finite offered rate is held when the achieved rate is at least `fraction` of it; rate inf
-    (everything at t = 0) offers no rate to hold."""
-    return math.isfinite(offered) and achieved >= fraction * offered
+def held(offered: float, achieved: float, capacity: Optional[float] = None,
+         fraction: float = HELD_FRACTION) -> bool:
+    """Whether a finite offered rate is one the server sustains.
+
+    With `capacity` (the requests/s the same server completed in its rate-inf run: every request at
+    t = 0, the most it finishes per second): offered <= capacity.  A short Poisson run cannot show
+    this by itself: its achieved rate is n / (arrival span + the last requests' latency), below the
+    offered rate for a server that keeps up (10.7 of 12 req/s on an H200, run S14), and above the
+    server's capacity for a burst it absorbs by letting every request in and slowing them all (the
+    Llama peer: 14.6 req/s achieved at 24 offered, its rate-inf capacity 14.8).  Without a capacity:
+    achieved >= `fraction` x offered.  Rate inf offers no rate to hold."""
+    if not math.isfinite(offered):
+        return False
+    return offered <= capacity if capacity is not None else achieved >= fraction * offered
 
 
 def meets_slo(row: dict, ttft_ms: float = SLO_TTFT_MS, tpot_ms: float = SLO_TPOT_MS) -> bool:
@@ -82,11 +92,21 @@ def meets_slo(row: dict, ttft_ms: float = SLO_TTFT_MS, tpot_ms: float = SLO_TPOT
     return bool(ok and t is not None and p is not None and t <= ttft_ms and p <= tpot_ms)
 
 
+def capacity(rows: list[dict]) -> Optional[float]:
+    """The achieved requests/s of the series' rate-inf run (all requests at t = 0), if it ran whole."""
+    inf = [r for r in rows if "skipped" not in r and math.isinf(rate_of(r)) and not r.get("error")
+           and r.get("completed") == r.get("requested") and r.get("request_throughput")]
+    return max(r["request_throughput"] for r in inf) if inf else None
+
+
 def max_rate_under_slo(rows: list[dict]) -> dict:
     """{"rate": the highest swept rate held and within the SLO (None if none), "failing_below": lower
-    swept rates that were not (a JIT spike at a light load shows here)} over `rows` of one series."""
+    swept rates that were not (a JIT spike at a light load shows here), "capacity": the rate-inf
+    run's requests/s that `held` measures against (None: no such run)} over `rows` of one series."""
+    cap = capacity(rows)
     rated = sorted((r for r in rows if "skipped" not in r and math.isfinite(rate_of(r))), key=rate_of)
-    good = [rate_of(r) for r in rated if held(rate_of(r), r.get("request_throughput") or 0.0) and meets_slo(r)]
+    good = [rate_of(r) for r in rated
+            if held(rate_of(r), r.get("request_throughput") or 0.0, cap) and meets_slo(r)]
     best = max(good) if good else None
     below = [rate_of(r) for r in rated if best is not None and rate_of(r) < best and rate_of(r) not in good]
-    return {"rate": best, "failing_below": below}
+    return {"rate": best, "failing_below": below, "capacity": cap}

@@ -112,11 +112,14 @@ def slo_lines(rows: list[dict], lap: str) -> tuple[str, dict]:
     """Each model's max request rate under the SLO over its sweep rows; (text, {model: result})."""
     res = {m: max_rate_under_slo(measured(rows, s, "sweep")) for m, s in (("laplace", lap), (PEER, PEER))}
     text = [f"Max request rate under the SLO (p99 TTFT <= {SLO_TTFT_MS:.0f} ms, p99 TPOT <= {SLO_TPOT_MS:.0f} ms, "
-            f"achieved >= 0.9 x offered; sweep rows):"]
+            f"offered rate <= the server's rate-inf capacity, else achieved >= 0.9 x offered; sweep rows):"]
     for m, r in res.items():
         worse = (f"; not met at lower rate(s) {', '.join(map(rate_text, r['failing_below']))}"
                  if r["failing_below"] else "")
-        text.append(f"- {m}: {rate_text(r['rate']) + ' req/s' if r['rate'] else 'none of the swept rates'}{worse}")
+        cap = (f" (capacity {r['capacity']:.1f} req/s)" if r.get("capacity")
+               else " (no rate-inf run: achieved >= 0.9 x offered)")
+        text.append(f"- {m}: {rate_text(r['rate']) + ' req/s' if r['rate'] else 'none of the swept rates'}"
+                    f"{cap}{worse}")
     a, b = res["laplace"]["rate"], res[PEER]["rate"]
     if a and b:
         text.append(f"- ratio laplace/{PEER}: {a / b:.2f}x")

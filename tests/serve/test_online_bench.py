@@ -22,17 +22,23 @@ def _row(rate, achieved, ttft99=100.0, tpot99=10.0, done=40, asked=40):
 
 
 def test_held():
-    assert report.held(10, 9.0) and not report.held(10, 8.99)          # 0.9 x offered
-    assert not report.held(INF, 1e9)                                   # inf offers no rate to hold
+    assert report.held(10, 9.0) and not report.held(10, 8.99)          # no capacity: 0.9 x offered
+    assert not report.held(INF, 1e9) and not report.held(INF, 1e9, capacity=50.0)   # inf offers no rate
+    # with the rate-inf run's capacity: the offered rate against it, whatever a short run achieved
+    assert report.held(12, 10.7, capacity=14.5) and not report.held(24, 14.6, capacity=14.8)
 
 
 def test_max_rate_under_slo():
     rows = [_row(4, 3.9), _row(8, 7.9, ttft99=2157.0),                  # 8: a p99 TTFT spike (fails)
             _row(12, 11.8), _row(16, 15.0, tpot99=50.0),               # 50 ms: still within the SLO
-            _row(24, 20.0), _row(32, 31.0, tpot99=50.1), _row(INF, 40.0)]
-    assert report.max_rate_under_slo(rows) == {"rate": 16, "failing_below": [8]}   # 24 not held (20 < 21.6)
+            _row(24, 20.0), _row(32, 31.0, tpot99=50.1)]
+    assert report.max_rate_under_slo(rows) == {"rate": 16, "failing_below": [8], "capacity": None}  # 20 < 21.6
+    # a rate-inf run gives the capacity: 24 (> 22.5 req/s) is not sustained, whatever it achieved
+    assert report.max_rate_under_slo(rows + [_row(INF, 22.5)]) == {"rate": 16, "failing_below": [8], "capacity": 22.5}
+    assert report.max_rate_under_slo([_row(12, 10.0), _row(INF, 14.5)])["rate"] == 12   # 10.0 < 0.9 x 12: held
+    assert report.max_rate_under_slo([_row(4, 4.0), _row(INF, 14.5, done=200, asked=256)])["capacity"] is None
     assert report.max_rate_under_slo([_row(4, 4.0, done=39)])["rate"] is None      # a request lost
-    assert report.max_rate_under_slo([_row(INF, 50.0)]) == {"rate": None, "failing_below": []}
+    assert report.max_rate_under_slo([_row(INF, 50.0)]) == {"rate": None, "failing_below": [], "capacity": 50.0}
     assert report.max_rate_under_slo([_row(4, 4.0, ttft99=1000.0)])["rate"] == 4   # <= 1 s holds
 
 
