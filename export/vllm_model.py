@@ -25,8 +25,7 @@ initial states read from that page (both paths), final states written back to it
 vLLM internals used (checked on 0.32 CPU and by reading 0.26): `MambaBase`, `IsAttentionFree`,
 `HasInnerState`, `SupportsMambaPrefixCaching`, `BailingLinearAttentionBackend` (export/prefix_cache.py),
 `get_forward_context()` (`.attn_metadata[prefix]`: `LinearAttentionMetadata`, `.no_compile_layers`),
-`compilation_config.static_forward_context`, `direct_register_custom_op`; in the plugin,
-`EngineArgs._set_default_max_num_seqs_and_batched_tokens_args` (export/step_budget.py).
+`compilation_config.static_forward_context`, `direct_register_custom_op`.
 Do NOT add `from __future__ import annotations` here (breaks vLLM's dynamic-shape detection).
 """
 import os

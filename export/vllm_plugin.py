@@ -35,10 +35,6 @@ def register() -> None:
     from export.prefix_cache import LaplaceMambaConfig
     MODELS_CONFIG_MAP.setdefault(ARCH, LaplaceMambaConfig)
 
-    # the OpenAI server's per-step token budget for this model, when the user gives none
-    from export import step_budget
-    step_budget.install(ARCH)
-
     # Piecewise CUDA graphs must split at the stateful mixer (its control flow depends on the batch),
     # as they do at vLLM's own attention / mamba ops.
     from vllm.config import CompilationConfig
