@@ -42,7 +42,7 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
 from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from export import prefix_cache
+from export import prefix_cache, step_index
 from export.ops import conv, gated_mix, gla_decode, gla_prefill, triton_switch, warmup
 from export.reference import layer_norm
 from export.torch_model import LaplaceMixer, Norm, check_folder, check_state_dict
@@ -145,38 +145,28 @@ class LaplaceVllmMixer(LaplaceMixer, MambaBase):
         if md is None:                     # profiling / dummy run: no state, no pages (adds nothing)
             return
         conv_pool, gla_pool = self._pools()
-        nd, npf = int(md.num_decodes), int(md.num_prefills)
-        nreq = nd + npf
-        n = int(md.num_decode_tokens) + int(md.num_prefill_tokens)
-        qsl = md.query_start_loc[: nreq + 1]
-        qlen = qsl[1:] - qsl[:-1]
-        # context 0 → a new sequence: start from zero (pages are reused without zeroing)
-        has_ctx = (md.seq_lens[:nreq] - qlen) > 0
-        slots = md.state_indices_tensor[:nreq].long()
-        # Rows that pad a CUDA-graph batch have seq_len 0 and a PAD_SLOT_ID (-1) or a stale slot id
-        # (a freed slot that another sequence may own now): send their writes to the null slot 0.
-        pad = (slots < 0) | (md.seq_lens[:nreq] <= 0)
-        slots = torch.where(pad, torch.zeros_like(slots), slots)
+        ix = step_index.of_step(md)
+        nd, npf, n = ix.nd, ix.npf, ix.n
         fast = triton_switch.available(xn)   # the Triton kernels (CUDA, triton installed, not switched off)
         if nd > 0 and fast:   # no host sync here: a decode-only batch may be captured in a full CUDA graph
-            self._decode_fast(xn[:nd], conv_pool, gla_pool, slots[:nd], has_ctx[:nd], residual[:nd])
+            self._decode_fast(xn[:nd], conv_pool, gla_pool, ix.slots[:nd], ix.keep8[:nd], residual[:nd],
+                              ix.cu_decode)
         elif nd > 0:
-            o = self._decode(xn[:nd], conv_pool, gla_pool, slots[:nd], has_ctx[:nd])
+            o = self._decode(xn[:nd], conv_pool, gla_pool, ix.slots[:nd], ix.has_ctx[:nd])
             residual[:nd] += o.to(residual.dtype)
         t0 = int(md.num_decode_tokens)     # prefill tokens follow the decode tokens
         if npf > 0 and fast:
-            cu = qsl[nd:] - qsl[nd]
-            self._prefill_packed(xn[t0:n], conv_pool, gla_pool, slots[nd:nreq], has_ctx[nd:nreq], cu,
+            self._prefill_packed(xn[t0:n], conv_pool, gla_pool, ix.slots[nd:], ix.keep8[nd:], ix.cu_prefill,
                                  residual[t0:n])
         elif npf > 0:
-            self._prefill(xn, residual, conv_pool, gla_pool, slots, has_ctx,
-                          _prefill_groups(md, qsl, has_ctx, nd, nreq, self.chunk, self.H * self.K * self.V))
+            self._prefill(xn, residual, conv_pool, gla_pool, ix.slots, ix.has_ctx,
+                          _prefill_groups(md, ix.qsl, ix.has_ctx, nd, nd + npf, self.chunk, self.H * self.K * self.V))
 
-    def _decode_fast(self, xn, conv_pool, gla_pool, sl, keep, residual) -> None:
+    def _decode_fast(self, xn, conv_pool, gla_pool, sl, keep, residual, cu=None) -> None:
         """One token per row, `forward_step` as three Triton kernels and two GEMMs: conv window and
         GLA state updated in the pool at slots sl in place; the mixer output added to residual
-        [B, D] in place."""
-        u = conv.conv_decode_inplace(conv_pool, sl, keep, xn, self.conv.weight, self.conv.bias)
+        [B, D] in place.  keep [B] bool or int8 (the kernels' flag); cu: 0..B int32 (None: made here)."""
+        u = conv.conv_decode_inplace(conv_pool, sl, keep, xn, self.conv.weight, self.conv.bias, cu_seqlens=cu)
         q, k, v, g = self.heads(self.w_qkvg(u))
         o = gla_decode.gla_decode_inplace(gla_pool, sl, keep, q, k, v, self.g_gamma)
         self._mix_out_fused(q, k, v, g, o, residual)
@@ -268,13 +258,14 @@ _PREFILL_STATE_BUDGET = 512 << 20
 
 def _prefill_groups(md, qsl, has_ctx, nd, nreq, chunk, hkv):
     """The prefill requests of this step grouped by query length (one host sync per step: the plan
-    is kept on the step's metadata object, which every layer shares)."""
-    key = (nd, nreq, int(md.num_prefill_tokens))
-    cached = getattr(md, "_laplace_prefill_groups", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    starts = qsl.tolist()
-    keep_l = has_ctx.tolist()
+    is kept on the step's metadata object, which every layer shares; `step_index.kept`)."""
+    return step_index.kept(md, "_laplace_prefill_groups", (nd, nreq, int(md.num_prefill_tokens)),
+                           lambda: _group_by_length(qsl.tolist(), has_ctx.tolist(), nd, nreq, chunk, hkv))
+
+
+def _group_by_length(starts, keep_l, nd, nreq, chunk, hkv):
+    """Requests nd..nreq-1 (query starts `starts`, has-context flags `keep_l`, host lists) grouped by
+    query length, each group split to hold at most _PREFILL_STATE_BUDGET bytes of chunk states."""
     by_len = {}
     for r in range(nd, nreq):
         by_len.setdefault(starts[r + 1] - starts[r], []).append(r)
@@ -287,10 +278,6 @@ def _prefill_groups(md, qsl, has_ctx, nd, nreq, chunk, hkv):
         for i in range(0, len(rows), cap):
             part = rows[i: i + cap]
             groups.append(_Group(part, [starts[r] for r in part], length, [keep_l[r] for r in part]))
-    try:
-        md._laplace_prefill_groups = (key, groups)
-    except AttributeError:   # a metadata class with __slots__: recompute per layer
-        pass
     return groups
 
 

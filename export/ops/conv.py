@@ -160,11 +160,13 @@ def default_split(T: int, R: int, seg: int) -> int:
 
 
 def conv_decode_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor, x: torch.Tensor,
-                        weight: torch.Tensor, bias: torch.Tensor, silu: bool = True) -> torch.Tensor:
+                        weight: torch.Tensor, bias: torch.Tensor, silu: bool = True,
+                        cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One decode step: row b of x [B, D] is the next input of the sequence whose window is
     pool[slots[b]] (zeros where keep[b] is False).  Returns SiLU(u) [B, D] in x's dtype; the
     windows are updated in place.  Padding rows may share the null slot 0 (their writes race
-    there, harmlessly, as in gla_decode)."""
-    cu = torch.arange(x.shape[0] + 1, device=x.device, dtype=torch.int32)
+    there, harmlessly, as in gla_decode).  cu_seqlens: 0..B int32, the rows as one-token requests
+    (None: made here; the vLLM mixer passes its step's, made once for all layers)."""
+    cu = torch.arange(x.shape[0] + 1, device=x.device, dtype=torch.int32) if cu_seqlens is None else cu_seqlens
     return conv_prefill_inplace(pool, slots, keep, x, weight, bias, cu, silu, block_t=1, block_d=DECODE_BLOCK_D,
                                 seg_tiles=1, n_split=1)

@@ -2,6 +2,7 @@
 prefill, the fused gated_mix after each; Triton's CPU interpreter) against its torch paths, on one
 mixed step.  TRITON_INTERPRET=1 around the imports and for the calls, as
 tests/serve/test_gla_prefill.py says."""
+import copy
 import types
 
 import pytest
@@ -116,3 +117,55 @@ def test_vllm_mixer_triton_prefill_equals_torch_path(mixer, monkeypatch):
     assert torch.equal(raw_t[others].view(torch.int32), raw[others].view(torch.int32))
     edges = torch.cat([raw_t[:, :3], raw_t[:, gs.stop:]], 1), torch.cat([raw[:, :3], raw[:, gs.stop:]], 1)
     assert torch.equal(edges[0].view(torch.int32), edges[1].view(torch.int32))     # NaN-aware
+
+
+def test_step_index_once_per_step_and_as_derived(mixer, monkeypatch):
+    """The step's index arrays (export/step_index.py) against a plain-list reference, derived by
+    the first layer's mixer and reused by the next (no index op in its dispatches), and derived
+    afresh for the next step's metadata object."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from export import step_index
+    from export.ops import launch_keys
+
+    lens, ctx, slots = [3, 17], [5, 0, 0, 7], [4, -1, 2, 7]        # 2 decode rows; row 1 pads (slot -1)
+    md = _step(2, lens, ctx, slots)
+    md.seq_lens[1] = 0
+    ix = step_index.of_step(md)
+    starts = [0, 1, 2, 5, 22]
+    assert (ix.nd, ix.npf, ix.n) == (2, 2, 22) and ix.qsl.tolist() == starts
+    assert ix.slots.dtype == torch.int64 and ix.slots.tolist() == [4, 0, 2, 7]           # padding → null slot
+    assert ix.has_ctx.tolist() == [True, False, False, True] and ix.keep8.tolist() == [1, 0, 0, 1]
+    assert ix.cu_decode.tolist() == [0, 1, 2] and ix.cu_prefill.tolist() == [0, 3, 20]
+    assert ix.cu_prefill.dtype == ix.cu_decode.dtype == torch.int32
+    assert step_index.of_step(md) is ix and step_index.of_step(_step(2, lens, ctx, slots)) is not ix
+    # a shallow copy with other state indices (vLLM's update_block_table for another state group)
+    # keeps md's attribute, not its slots
+    other = copy.copy(md)
+    other.state_indices_tensor = torch.tensor([1, 3, 5, 6], dtype=torch.int32)
+    assert step_index.of_step(other).slots.tolist() == [1, 0, 5, 6] and step_index.of_step(md) is ix
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    C, D, H, K, V = mixer.cfg.conv_kernel, mixer.cfg.d_model, mixer.H, mixer.K, mixer.V
+    pools = torch.zeros(8, C, D), torch.zeros(8, H, K, V)
+    monkeypatch.setattr(mixer, "_pools", lambda: pools)
+    fresh = _step(2, lens, ctx, slots)
+    monkeypatch.setattr(mixer, "_metadata", lambda: fresh)
+    xn, res = torch.zeros(22, D), torch.zeros(22, D)
+    derive_ops = {"where", "zeros_like", "arange", "bitwise_or", "gt", "le", "lt"}
+    counts = []
+    with launch_keys.recording(), torch.no_grad():
+        for _layer in range(2):
+            with Ops() as ops:
+                mixer._forward(xn, res)
+            counts.append(ops.names)
+    assert derive_ops <= set(counts[0]) and not derive_ops & set(counts[1]), counts
+    assert len(counts[1]) <= len(counts[0]) - len(derive_ops)
