@@ -85,7 +85,10 @@ class LaplaceVllmMixer(LaplaceMixer, MambaBase):
         self.chunk = max(1, cfg.chunk_size)   # prefill chunk (any size is exact)
         self.kv_cache = (torch.tensor([]), torch.tensor([]))
         vllm_config = get_current_vllm_config()
-        self._backend = prefix_cache.state_backend(vllm_config.cache_config.mamba_cache_mode)
+        # 'align' with prefix caching: vLLM then copies states between blocks (the warm-up compiles
+        # that copy too) and the metadata comes from `_backend`
+        self.mamba_cache_mode = vllm_config.cache_config.mamba_cache_mode
+        self._backend = prefix_cache.state_backend(self.mamba_cache_mode)
         ctx = vllm_config.compilation_config.static_forward_context
         if prefix in ctx:
             raise ValueError(f"duplicate layer name: {prefix}")

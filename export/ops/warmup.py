@@ -20,6 +20,15 @@ launch code once per variant: a decode row, and a prefill under each path at bot
 the null slot 0 (which no sequence owns; CUDA-graph padding rows write there too) with zero
 initial states, into scratch outputs.
 
+With prefix caching ('align' mode) one more kernel runs while serving, vLLM's own: before a step,
+its V1 runner copies each sequence's state pages between blocks with `batch_memcpy`
+(vllm/v1/worker/mamba_utils.py, `do_mamba_copy_block`), first at the first cache hit.  vLLM 0.26
+launches it nowhere before (an H200 server logged `Triton kernel JIT compilation during inference:
+batch_memcpy_kernel` at its first hit; 0.32 warms it itself, in mamba_triton_warmup.py).
+`warm_state_copy` launches it once, copying slot 0's pages onto themselves (a no-op), with fresh
+argument tensors of the dtypes of vLLM's `MambaCopyBuffers`: its key holds those dtypes and the
+tensors' 16-byte alignment (`batch_memcpy` fixes BLOCK_SIZE), not the addresses or the count.
+
 When: `LaplaceVllmMixer.kv_cache`'s setter calls `on_bind` when vLLM binds the layer's state pool
 (after the memory profile, before graph capture and before the JIT monitor starts, on every model
 runner): the pools are the real ones (their strides and alignment are part of the key).
@@ -75,6 +84,32 @@ def warm_up(mixer, conv_pool: torch.Tensor, gla_pool: torch.Tensor) -> None:
             with gla_prefill.forced_path(path):
                 mixer._prefill_packed(xn[off:off + T], conv_pool, gla_pool, slot, keep, cu,
                                       residual[off:off + T])
+    if mixer.mamba_cache_mode == "align":
+        warm_state_copy((conv_pool, gla_pool))
+
+
+# (src_ptrs, dst_ptrs, sizes) of vLLM's `MambaCopyBuffers.create` (0.26 and 0.32); the test of this
+# warm-up checks the launch's key against one vLLM makes from its own buffers
+COPY_ARG_DTYPES = (torch.uint64, torch.uint64, torch.int32)
+
+
+def warm_state_copy(pools: tuple) -> None:
+    """Compile vLLM's state copy for prefix caching (`batch_memcpy`, see the module doc) at start-up.
+
+    pools: the layer's state pools (conv [slots, C, D], GLA [slots, H, K, V]); one copy per pool of
+    its slot-0 page onto itself, as `do_mamba_copy_block` copies a sequence's pages: fresh argument
+    tensors (16-byte aligned, like vLLM's buffer slices) of the dtypes Triton keys on.  Nothing
+    where vLLM's copy is no Triton kernel (a CPU install keeps the plain function or its own)."""
+    from vllm.v1.worker import mamba_utils
+
+    if not isinstance(mamba_utils.batch_memcpy_kernel, triton_switch.triton.runtime.KernelInterface):
+        return
+    pages = [pool[0] for pool in pools]
+    ptrs = [page.data_ptr() for page in pages]
+    sizes = [page.numel() * page.element_size() for page in pages]
+    dev = pages[0].device
+    mamba_utils.batch_memcpy(*(torch.tensor(values, dtype=dtype, device=dev)
+                               for values, dtype in zip((ptrs, ptrs, sizes), COPY_ARG_DTYPES)))
 
 
 def on_bind(mixer) -> None:
