@@ -239,6 +239,9 @@ def profile_prefill(llm, a, res: dict, out: Path, cuda: bool) -> None:
         row.update(tokens=tokens, tok_per_s=tokens / wall, wall_ms_unprofiled=1e3 * bare,
                    tok_per_s_unprofiled=tokens / bare)
         (out / f"profile_prefill_{path}.txt").write_text(table(prof))
+        host = host_profiled(lambda: llm.generate(prompts, sp, use_tqdm=False),
+                             out / f"profile_prefill_{path}_host.txt", cuda)
+        row.update(wall_ms_cprofile=1e3 * host)
         log(f"prefill ({path} path) {a.prefill_seqs} x {a.prompt_len}: {row}")
     os.environ.pop("LAPLACE_VLLM_TRITON")
     res["prefill_ratio_triton_vs_torch"] = res["prefill_triton"]["tok_per_s"] / res["prefill_torch"]["tok_per_s"]
