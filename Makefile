@@ -33,7 +33,9 @@ train: install
 	$(BIN)/python -m laplace_jax.train --config laplace_tiny --run-dir runs/tiny
 	$(BIN)/python -m laplace_jax.generate --checkpoint runs/tiny --prompt "The history of" --max-new-tokens 32
 
-# lint first (pyproject's [tool.ruff]): a minute of pytest is not spent on a tree that fails it
+# lint first (pyproject's [tool.ruff]): a minute of pytest is not spent on a tree that fails it.
+# Two pytest-xdist workers (CI has 2 cores), a test file's tests on one worker (its module
+# fixtures built once); the session's trained checkpoint is shared by a lock (tests/conftest.py).
 test: install-test
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
