@@ -1,0 +1,249 @@
+"""Where a lone prompt's prefill step spends its wall time on the host: Laplace beside the Llama peer.
+
+    python benchmarks/prefill_host.py --out DIR --model-dir /dev/shm/lap --peer-dir /dev/shm/peer
+        [--lengths 512,2048,8192] [--reps 5] [--max-num-seqs 256] [--capture 256]
+    python benchmarks/prefill_host.py --smoke --out DIR          # CPU, tiny config (the test)
+
+Each model runs in a child process with vLLM's engine in that process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
+configured as `online_bench` configures its servers (--max-num-seqs, decode CUDA graphs captured up to
+--capture, Model Runner V2, the same random-weight folders).  For each prompt length, one request alone
+is generated with max_tokens=1 (its prefill step and first token, the offline part of a TTFT) --reps
+times after two warm-ups.  Host clocks (time.perf_counter around the calls, no profiler) split the wall
+time: the model's forward (its Python and kernel launches; the GPU runs behind it), and for Laplace the
+24 mixer calls inside it (`LaplaceVllmMixer._forward`, run eagerly between vLLM's CUDA-graph pieces)
+and the Triton launches inside those (`launch_keys.run`).  Also the GPU time of the forward (CUDA
+events around it).  Writes DIR/prefill_host.json and prints one row per model and length.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_bench.rows import log  # noqa: E402
+
+LAUNCH_MODULES = ("conv", "gated_mix", "gla_decode", "gla_prefill", "gla_prefill_chunked")
+
+
+class Clock:
+    """Host seconds and calls accumulated by wrapped functions, per name."""
+
+    def __init__(self):
+        self.s: dict = {}
+        self.n: dict = {}
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                self.s[name] = self.s.get(name, 0.0) + time.perf_counter() - t0
+                self.n[name] = self.n.get(name, 0) + 1
+        return timed
+
+    def reset(self) -> None:
+        self.s.clear()
+        self.n.clear()
+
+
+class GpuClock:
+    """GPU milliseconds of each wrapped call (CUDA events recorded around it)."""
+
+    def __init__(self):
+        self.events: list = []
+
+    def wrap(self, fn):
+        import torch
+
+        def timed(*args, **kw):
+            if torch.cuda.is_current_stream_capturing():        # CUDA-graph capture: no events
+                return fn(*args, **kw)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            try:
+                return fn(*args, **kw)
+            finally:
+                b.record()
+                self.events.append((a, b))
+        return timed
+
+    def take_ms(self) -> float:
+        import torch
+
+        torch.cuda.synchronize()
+        ms = sum(a.elapsed_time(b) for a, b in self.events)
+        self.events.clear()
+        return ms
+
+
+def instrument(model_cls, laplace: bool, clock: Clock, gpu) -> None:
+    """Wrap the forward of `model_cls` (host clock, and GPU events where `gpu`), and for Laplace the
+    mixer's `_forward` and every launcher module's `run`."""
+    fwd = clock.wrap("forward", model_cls.forward)
+    model_cls.forward = gpu.wrap(fwd) if gpu is not None else fwd
+    if not laplace:
+        return
+    import importlib
+
+    from export import vllm_model
+    vllm_model.LaplaceVllmMixer._forward = clock.wrap("mixers", vllm_model.LaplaceVllmMixer._forward)
+    for name in LAUNCH_MODULES:
+        mod = importlib.import_module(f"export.ops.{name}")
+        mod.run = clock.wrap("triton_launches", mod.run)
+
+
+def child(a) -> dict:
+    """One model in this process: the rows of every length."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if a.smoke:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import torch
+    from vllm import LLM, SamplingParams
+
+    from serve_bench.engine import ensure_plugin_entry_point, prefer_v2_runner
+    from serve_bench.measures import make_prompts
+
+    cuda = torch.cuda.is_available() and not a.smoke
+    prefer_v2_runner(cuda)
+    laplace = a.child.startswith("laplace")
+    work = Path(a.out) / "entry"
+    ensure_plugin_entry_point(work)
+    kw = dict(model=a.folder, dtype=a.dtype, max_num_seqs=a.max_num_seqs, max_model_len=a.max_len,
+              enable_prefix_caching=False, seed=0, enforce_eager=a.smoke)
+    if cuda:
+        kw.update(gpu_memory_utilization=0.85, compilation_config={"max_cudagraph_capture_size": a.capture})
+    if laplace:
+        from export import vllm_model
+        model_cls = vllm_model.LaplaceForCausalLM
+    else:
+        from vllm.model_executor.models.llama import LlamaForCausalLM as model_cls
+    clock = Clock()
+    gpu = GpuClock() if cuda else None
+    instrument(model_cls, laplace, clock, gpu)
+    llm = LLM(**kw)
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+    rows = []
+    for length in a.lengths:
+        prompts = make_prompts(a.reps + 2, length, seed=11)
+        walls, splits, gpu_ms = [], [], []
+        for i, p in enumerate(prompts):
+            clock.reset()
+            if gpu is not None:
+                gpu.take_ms()
+            t0 = time.perf_counter()
+            llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)
+            if cuda:
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+            if i < 2:
+                continue                                   # warm-ups
+            walls.append(1e3 * wall)
+            splits.append({k: 1e3 * v for k, v in clock.s.items()})
+            if gpu is not None:
+                gpu_ms.append(gpu.take_ms())
+        med = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
+        row = {"model": a.child, "prompt_len": length, "wall_ms": statistics.median(walls),
+               "wall_ms_all": [round(w, 2) for w in walls],
+               "host_ms": {k: round(v, 3) for k, v in med.items()},
+               "calls": dict(clock.n), "forward_gpu_ms": statistics.median(gpu_ms) if gpu_ms else None}
+        log(f"ROW {json.dumps(row)}")
+        rows.append(row)
+    agree = agreement_run(llm, SamplingParams, a)
+    from vllm_check import stop_engine
+    stop_engine(llm)
+    return {"rows": rows, "agreement": agree, "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "engine": kw, "replay": os.environ.get("LAPLACE_VLLM_REPLAY", "1")}
+
+
+def agreement_run(llm, SamplingParams, a) -> dict:
+    """Greedy tokens and their logprobs for a few prompts of mixed lengths sent together (one step
+    prefills them all, then decode steps): what the replay A/B compares (`compare`)."""
+    from serve_bench.measures import make_prompts
+
+    lens = [n for n in (37, 300, 1000, max(a.lengths)) if n <= max(a.lengths)]
+    prompts = [make_prompts(1, n, seed=20 + i)[0] for i, n in enumerate(lens)]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    toks = [list(o.outputs[0].token_ids) for o in outs]
+    lps = [[float(d[t].logprob) for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+    return {"prompt_lens": lens, "tokens": toks, "logprobs": lps}
+
+
+def compare(a: dict, b: dict) -> dict:
+    """Two agreement runs: whether their tokens are equal and the largest logprob difference."""
+    diff = max((abs(x - y) for la, lb in zip(a["logprobs"], b["logprobs"]) for x, y in zip(la, lb)), default=0.0)
+    return {"tokens_equal": a["tokens"] == b["tokens"], "max_abs_logprob_diff": diff}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--peer-dir", default=None, help="the Llama peer's folder (none: Laplace alone)")
+    ap.add_argument("--replay-ab", action="store_true",
+                    help="Laplace also with LAPLACE_VLLM_REPLAY=0 (export/ops/launch_tape.py off)")
+    ap.add_argument("--lengths", default=None, help="comma list of prompt lengths")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--capture", type=int, default=256, help="max_cudagraph_capture_size")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--folder", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    a.lengths = [int(x) for x in (a.lengths or ("32,64" if a.smoke else "512,2048,8192")).split(",")]
+    a.dtype = a.dtype or ("float32" if a.smoke else "bfloat16")
+    a.max_len = max(a.lengths) + 64
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.child:
+        res = child(a)
+        (out / f"prefill_host_{a.child}.json").write_text(json.dumps(res, indent=2) + "\n")
+        from vllm_check import exit_skipping_teardown
+        exit_skipping_teardown(0)
+    if a.model_dir is None:
+        raise SystemExit("error: --model-dir FOLDER (a Laplace export, e.g. the serve benchmark's) is required")
+    models = ([("laplace", a.model_dir, "1")] + ([("laplace_live", a.model_dir, "0")] if a.replay_ab else [])
+              + ([("llama", a.peer_dir, "1")] if a.peer_dir else []))
+    result = {"args": {k: v for k, v in vars(a).items() if k not in ("child", "folder")}, "models": {}}
+    status = 0
+    for name, folder, replay in models:
+        cmd = [sys.executable, __file__, "--out", str(out), "--child", name, "--folder", folder,
+               "--lengths", ",".join(map(str, a.lengths)), "--reps", str(a.reps), "--dtype", a.dtype,
+               "--max-num-seqs", str(a.max_num_seqs), "--capture", str(a.capture)] + (["--smoke"] if a.smoke else [])
+        rc = subprocess.call(cmd, env={**os.environ, "LAPLACE_VLLM_REPLAY": replay})
+        path = out / f"prefill_host_{name}.json"
+        if rc != 0 or not path.exists():
+            log(f"{name}: child exited {rc}")
+            status = 1
+            continue
+        result["models"][name] = json.loads(path.read_text())
+    got = result["models"]
+    if "laplace" in got and "laplace_live" in got:
+        result["replay_vs_live"] = compare(got["laplace"]["agreement"], got["laplace_live"]["agreement"])
+        print(f"replay vs live: {result['replay_vs_live']}")
+        if not result["replay_vs_live"]["tokens_equal"]:
+            status = 1
+    (out / "prefill_host.json").write_text(json.dumps(result, indent=2) + "\n")
+    for name, res in result["models"].items():
+        for r in res["rows"]:
+            print(f"{name:8s} {r['prompt_len']:6d} tokens: wall {r['wall_ms']:.2f} ms, forward GPU "
+                  f"{r['forward_gpu_ms'] if r['forward_gpu_ms'] is None else round(r['forward_gpu_ms'], 2)} ms,"
+                  f" host {r['host_ms']}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
