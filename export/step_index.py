@@ -71,11 +71,16 @@ def kept(md, attr: str, key: tuple, build: Callable[[], T]) -> T:
     return value
 
 
+def step_key(md) -> tuple:
+    """What tells one step's metadata from another's on the same object: the step's sizes, whether
+    a CUDA graph is being captured (a capture derives its own arrays, inside the graph) and the slot
+    tensor itself (a shallow copy of `md` with other state indices, as vLLM's `update_block_table`
+    makes for a second state group, carries the first one's attributes: it must not reuse its
+    slots)."""
+    return (_capturing(md.query_start_loc.device), int(md.num_decodes), int(md.num_prefills),
+            int(md.num_decode_tokens), int(md.num_prefill_tokens), id(md.state_indices_tensor))
+
+
 def of_step(md) -> StepIndex:
-    """`derive(md)`, once per step (`kept`), keyed by the step's sizes, whether a CUDA graph is
-    being captured (a capture derives its own, inside the graph) and the slot tensor itself (a
-    shallow copy of `md` with other state indices, as vLLM's `update_block_table` makes for a
-    second state group, carries the first one's attribute: it must not reuse its slots)."""
-    key = (_capturing(md.query_start_loc.device), int(md.num_decodes), int(md.num_prefills),
-           int(md.num_decode_tokens), int(md.num_prefill_tokens), id(md.state_indices_tensor))
-    return kept(md, _ATTR, key, lambda: derive(md))
+    """`derive(md)`, once per step (`kept`, keyed by `step_key`)."""
+    return kept(md, _ATTR, step_key(md), lambda: derive(md))

@@ -28,6 +28,7 @@ vLLM internals used (checked on 0.32 CPU and by reading 0.26): `MambaBase`, `IsA
 `compilation_config.static_forward_context`, `direct_register_custom_op`.
 Do NOT add `from __future__ import annotations` here (breaks vLLM's dynamic-shape detection).
 """
+import contextlib
 import os
 from collections.abc import Iterable
 from typing import Optional
@@ -43,7 +44,7 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from export import prefix_cache, step_index
-from export.ops import conv, gated_mix, gla_decode, gla_prefill, triton_switch, warmup
+from export.ops import conv, gated_mix, gla_decode, gla_prefill, launch_tape, triton_switch, warmup
 from export.reference import layer_norm
 from export.torch_model import LaplaceMixer, Norm, check_folder, check_state_dict
 from laplace_jax.spec import Arch
@@ -149,30 +150,71 @@ class LaplaceVllmMixer(LaplaceMixer, MambaBase):
             return
         conv_pool, gla_pool = self._pools()
         ix = step_index.of_step(md)
-        nd, npf, n = ix.nd, ix.npf, ix.n
-        fast = triton_switch.available(xn)   # the Triton kernels (CUDA, triton installed, not switched off)
-        if nd > 0 and fast:   # no host sync here: a decode-only batch may be captured in a full CUDA graph
-            self._decode_fast(xn[:nd], conv_pool, gla_pool, ix.slots[:nd], ix.keep8[:nd], residual[:nd],
-                              ix.cu_decode)
-        elif nd > 0:
+        nd, npf = ix.nd, ix.npf
+        if triton_switch.available(xn):   # the Triton kernels (CUDA, triton installed, not switched off)
+            self._forward_fast(md, ix, xn, residual, conv_pool, gla_pool)
+            return
+        if nd > 0:
             o = self._decode(xn[:nd], conv_pool, gla_pool, ix.slots[:nd], ix.has_ctx[:nd])
             residual[:nd] += o.to(residual.dtype)
-        t0 = int(md.num_decode_tokens)     # prefill tokens follow the decode tokens
-        if npf > 0 and fast:
-            self._prefill_packed(xn[t0:n], conv_pool, gla_pool, ix.slots[nd:], ix.keep8[nd:], ix.cu_prefill,
-                                 residual[t0:n])
-        elif npf > 0:
+        if npf > 0:
             self._prefill(xn, residual, conv_pool, gla_pool, ix.slots, ix.has_ctx,
                           _prefill_groups(md, ix.qsl, ix.has_ctx, nd, nd + npf, self.chunk, self.H * self.K * self.V))
 
-    def _decode_fast(self, xn, conv_pool, gla_pool, sl, keep, residual, cu=None) -> None:
+    def _forward_fast(self, md, ix, xn, residual, conv_pool, gla_pool) -> None:
+        """The Triton paths of a step (no host sync: a decode-only batch may be captured in a full
+        CUDA graph): the decode rows, then all prefill requests packed.  The step's first layer
+        records its launches and GEMMs on a tape that the later layers replay with their own tensors
+        (export/ops/launch_tape.py: the host time of an eagerly run prefill step)."""
+        t0 = int(md.num_decode_tokens)     # prefill tokens follow the decode tokens
+        roles = dict(conv_pool=conv_pool, gla_pool=gla_pool, conv_w=self.conv.weight, conv_b=self.conv.bias,
+                     g_gamma=self.g_gamma, aug=self.aug_balance, norm=self.head_norm, w_qkvg=self.w_qkvg.weight,
+                     w_out=self.w_out.weight, x_dec=xn[:ix.nd], res_dec=residual[:ix.nd], x_pf=xn[t0:ix.n],
+                     res_pf=residual[t0:ix.n])
+        held = step_index.kept(md, "_laplace_tape", step_index.step_key(md), launch_tape.Held)
+        if held.tape is not None and held.tape.replay(roles):
+            return
+        tape = None
+        if not held.tried and launch_tape.can_record(xn.device):
+            held.tried = True
+            tape = launch_tape.Tape(roles, direct_ok=xn.is_cuda)
+        with tape.recording() if tape is not None else contextlib.nullcontext():
+            self._fast_body(ix, roles, tape)
+        if tape is not None and tape.valid:
+            held.tape = tape
+
+    def _fast_body(self, ix, roles: dict, tape) -> None:
+        nd = ix.nd
+        if nd > 0:
+            sl, keep = ix.slots[:nd], ix.keep8[:nd]
+            if tape is not None:
+                tape.step(sl, keep, ix.cu_decode)
+            self._decode_fast(roles["x_dec"], roles["conv_pool"], roles["gla_pool"], sl, keep, roles["res_dec"],
+                              ix.cu_decode, tape)
+        if ix.npf > 0:
+            sl, keep = ix.slots[nd:], ix.keep8[nd:]
+            if tape is not None:
+                tape.step(sl, keep, ix.cu_prefill)
+            self._prefill_packed(roles["x_pf"], roles["conv_pool"], roles["gla_pool"], sl, keep, ix.cu_prefill,
+                                 roles["res_pf"], tape)
+
+    def _project(self, u, tape):
+        """q, k [N, H, K], v, g [N, H, V]: views of u [N, D] w_qkvg^T (recorded on `tape`, if any)."""
+        qkvg = tape.mm(u, "w_qkvg") if tape is not None else torch.mm(u, self.w_qkvg.weight.t())
+        q, k, v, g = self.heads(qkvg)
+        if tape is not None:
+            tape.step(q, k, v, g)
+        return q, k, v, g
+
+    def _decode_fast(self, xn, conv_pool, gla_pool, sl, keep, residual, cu=None, tape=None) -> None:
         """One token per row, `forward_step` as three Triton kernels and two GEMMs: conv window and
         GLA state updated in the pool at slots sl in place; the mixer output added to residual
-        [B, D] in place.  keep [B] bool or int8 (the kernels' flag); cu: 0..B int32 (None: made here)."""
+        [B, D] in place.  keep [B] bool or int8 (the kernels' flag); cu: 0..B int32 (None: made here);
+        tape: the step's recording tape (residual is its "res_dec")."""
         u = conv.conv_decode_inplace(conv_pool, sl, keep, xn, self.conv.weight, self.conv.bias, cu_seqlens=cu)
-        q, k, v, g = self.heads(self.w_qkvg(u))
+        q, k, v, g = self._project(u, tape)
         o = gla_decode.gla_decode_inplace(gla_pool, sl, keep, q, k, v, self.g_gamma)
-        self._mix_out_fused(q, k, v, g, o, residual)
+        self._mix_out_fused(q, k, v, g, o, residual, tape, "res_dec")
 
     def _decode(self, xn, conv_pool, gla_pool, sl, keep):
         """The torch decode path: conv window and GLA state gathered from the pool at slots sl
@@ -184,31 +226,35 @@ class LaplaceVllmMixer(LaplaceMixer, MambaBase):
         gla_pool[sl] = gs.to(gla_pool.dtype)
         return o
 
-    def _prefill_packed(self, x, conv_pool, gla_pool, sl, keep, cu, residual) -> None:
+    def _prefill_packed(self, x, conv_pool, gla_pool, sl, keep, cu, residual, tape=None) -> None:
         """All prefill requests at once (Triton, in place on both pools, no host sync).
 
         x [T, D]: their tokens back to back, request r's at cu[r]:cu[r+1]; sl [R] slots; keep [R]
         (False: a new sequence, zero states).  The mixer output is added to residual [T, D] in
-        place."""
+        place.  tape: the step's recording tape (residual is its "res_pf")."""
         u = conv.conv_prefill_inplace(conv_pool, sl, keep, x, self.conv.weight, self.conv.bias, cu)
-        q, k, v, g = self.heads(self.w_qkvg(u))
+        q, k, v, g = self._project(u, tape)
         # the kernel reads q, k, v straight from the projection (strided views, x's dtype).  o stays
         # float32: a bf16 o (as JAX's chunk_simple_gla returns it) made the kernel slower than the
         # fused post gained (H200, 8 × 2,048 tokens: 0.349 vs 0.279 ms, and 0.179 vs 0.197 ms;
         # BENCHMARKS run S10)
         o = gla_prefill.gla_prefill_inplace(gla_pool, sl, keep, q, k, v, self.g_gamma, cu)
-        self._mix_out_fused(q, k, v, g, o, residual)
+        self._mix_out_fused(q, k, v, g, o, residual, tape, "res_pf")
 
-    def _mix_out_fused(self, q, k, v, g, o, residual) -> None:
+    def _mix_out_fused(self, q, k, v, g, o, residual, tape=None, role: str = "") -> None:
         """`mix_out` with gated_mix as one Triton kernel (export/ops/gated_mix.py): the same float32
         math (q, k, v, g, o of any float dtype upcast inside it), y [N, H·V] in residual's dtype,
         then residual [N, D] += y w_out^T as one in-place GEMM (cuBLAS adds the residual in its
         epilogue, to the float32 accumulator: one rounding; `addmm_` hands cuBLAS the residual rows
         as both C and the output, so nothing is copied).  q, k [N, H, K], v, g [N, H, V] (views of
-        the projection), o [N, H, V]; residual: a row block of the block's input (contiguous)."""
+        the projection), o [N, H, V]; residual: a row block of the block's input (contiguous), the
+        recording tape's `role` where there is a tape."""
         y = gated_mix.gated_mix_fused(q, k, v, g, o, self.aug_balance, self.head_norm, self.eps,
                                       residual.dtype)
-        residual.addmm_(y, self.w_out.weight.t())
+        if tape is not None:
+            tape.addmm_(role, y, "w_out")
+        else:
+            residual.addmm_(y, self.w_out.weight.t())
 
     def _prefill(self, xn, residual, conv_pool, gla_pool, slots, has_ctx, groups):
         """Prefill requests of equal query length run as one batch: states gathered from the pool

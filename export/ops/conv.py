@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from export.ops.launch_keys import Launch, run
+from export.ops.launch_keys import Launch, run, scratch
 from export.ops.triton_switch import require, rowmajor, tl, triton
 
 # D = 3072: 48 channel blocks per request; each block of 32 tokens loads C shifted [32, 64] tiles
@@ -131,7 +131,7 @@ def conv_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Te
         raise ValueError(f"conv pool {tuple(pool.shape)} {pool.dtype}: want [*, {C}, {D}] float32")
     if cu_seqlens.shape[0] != R + 1:
         raise ValueError(f"cu_seqlens has {cu_seqlens.shape[0]} entries for {R} requests: want R + 1")
-    u = torch.empty_like(x, memory_format=torch.contiguous_format)
+    u = scratch(torch.empty_like(x, memory_format=torch.contiguous_format))
     if R == 0 or T == 0:
         return u
     x = rowmajor(x)

@@ -22,7 +22,7 @@ benchmarks/ops/bench_kernels.py times it against the torch path.
 """
 import torch
 
-from export.ops.launch_keys import Launch, run
+from export.ops.launch_keys import Launch, run, scratch
 from export.ops.triton_switch import require, rowmajor, tl, triton
 
 # 8 tokens × 256 (padded V) float32 per tile: 16 values a thread and tensor at 4 warps; N=16384,
@@ -90,7 +90,7 @@ def gated_mix_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     if tuple(aug_balance.shape) != (H, K) or head_norm.shape[1] != V or H % T:
         raise ValueError(f"aug_balance {tuple(aug_balance.shape)}, head_norm {tuple(head_norm.shape)}: "
                          f"want [{H}, {K}] and [T, {V}] with T dividing {H}")
-    y = torch.empty((N, H * V), device=q.device, dtype=out_dtype)
+    y = scratch(torch.empty((N, H * V), device=q.device, dtype=out_dtype))
     if N == 0:
         return y
     q, k, v, g, o = (rowmajor(x) for x in (q, k, v, g, o))

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from export.ops.launch_keys import Launch, run
+from export.ops.launch_keys import Launch, run, scratch
 from export.ops.triton_switch import require, rowmajor, tl, triton
 
 BLOCK_V = 64
@@ -94,7 +94,7 @@ def gla_decode_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tens
     V = v.shape[-1]
     if pool.dtype != torch.float32 or tuple(pool.shape[1:]) != (H, K, V):
         raise ValueError(f"state pool {tuple(pool.shape)} {pool.dtype}: want [*, {H}, {K}, {V}] float32")
-    o = torch.empty((B, H, V), device=q.device, dtype=torch.float32)
+    o = scratch(torch.empty((B, H, V), device=q.device, dtype=torch.float32))
     if B == 0:
         return o
     q, k, v = rowmajor(q), rowmajor(k), rowmajor(v)

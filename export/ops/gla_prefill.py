@@ -44,7 +44,7 @@ import torch
 from export.ops import gla_prefill_chunked as chunked
 from export.ops.gla_chunk_math import _chunk_decays, _chunk_output, _chunk_state, _head_rows, _modes, _tile_ranges
 from export.ops.gla_chunk_math import default_precision  # noqa: F401  (gla_prefill.default_precision)
-from export.ops.launch_keys import Launch, run
+from export.ops.launch_keys import Launch, run, scratch
 from export.ops.triton_switch import interpreting, require, rowmajor, tl, triton
 
 # H200, K=96 (padded to 128), V=192: BV=64 gives R*H*3 programs (384 for 8 requests, ~3 per SM of
@@ -137,7 +137,7 @@ def gla_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Ten
     qk_mode, mode = _modes(q.dtype, precision)
     if out_dtype not in (torch.float32, q.dtype):
         raise ValueError(f"out_dtype {out_dtype}: want float32 or q's dtype {q.dtype}")
-    o = torch.empty((T, H, V), device=q.device, dtype=out_dtype)
+    o = scratch(torch.empty((T, H, V), device=q.device, dtype=out_dtype))
     if R == 0 or T == 0:
         return o
     path = path or _forced_path or chunked.prefill_path(R, T, H, K, V, chunk, chunked.sm_count(q.device), block_v)

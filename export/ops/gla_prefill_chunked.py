@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 
 from export.ops.gla_chunk_math import _chunk_decays, _chunk_output, _chunk_state, _head_rows, _modes, _tile_ranges
-from export.ops.launch_keys import Launch, run
+from export.ops.launch_keys import Launch, run, scratch
 from export.ops.triton_switch import interpreting, tl, triton
 
 # The serial kernel's tile (its BLOCK_V / CHUNK / NUM_WARPS measurements apply to the same tiles here)
@@ -222,8 +222,8 @@ def gla_prefill_chunked(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Ten
     BV = max(16, min(block_v, triton.next_power_of_2(V)))
     n_vb = triton.cdiv(V, BV)
     n_chunks = chunk_buffer_rows(R, T, chunk)
-    u_buf = torch.empty((n_chunks, H, K, V), device=q.device, dtype=torch.float32)
-    s_buf = torch.empty_like(u_buf)
+    u_buf = scratch(torch.empty((n_chunks, H, K, V), device=q.device, dtype=torch.float32))
+    s_buf = scratch(torch.empty_like(u_buf))
     emulate = interpreting()
     stages = num_stages or {torch.float32: 1, torch.bfloat16: 3}.get(q.dtype, 2)
     keep8 = keep.to(torch.int8).contiguous()

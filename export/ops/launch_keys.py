@@ -13,13 +13,15 @@ no compile.
 
 The launchers build a `Launch` and hand it to `run`; inside `recording()` `run` keeps the launch
 instead of launching, so a test can list the variants (`keys`) a sequence of launcher calls
-produces.
+produces.  While a `launch_tape.Tape` records (`set_tape`), `run` launches and reports each launch
+to it, and the launchers' scratch buffers register with it (`scratch`).
 """
 import contextlib
 import inspect
 from typing import Any, Iterator, NamedTuple, Optional
 
 _recorder: Optional[list] = None
+_tape: Any = None
 
 
 class Launch(NamedTuple):
@@ -56,11 +58,33 @@ def triton_key(launch: Launch) -> tuple:
 
 
 def run(launch: Launch) -> None:
-    """Launch, or inside `recording()` only note the launch."""
+    """Launch, or inside `recording()` only note the launch; a recording tape is told of it."""
     if _recorder is not None:
         _recorder.append(launch)
         return
-    launch.kernel[launch.grid](*launch.args, **launch.kwargs)
+    compiled = launch.kernel[launch.grid](*launch.args, **launch.kwargs)
+    if _tape is not None:
+        _tape.launched(launch, compiled)
+
+
+def scratch(t: Any) -> Any:
+    """A launcher's freshly allocated output or scratch buffer `t`, returned; a recording tape may
+    reuse it in every layer of the step (export/ops/launch_tape.py)."""
+    if _tape is not None:
+        _tape.step(t)
+    return t
+
+
+def set_tape(tape: Any) -> Any:
+    """Make `tape` (or None) the recording tape; returns the one before."""
+    global _tape
+    saved, _tape = _tape, tape
+    return saved
+
+
+def is_recording() -> bool:
+    """Inside `recording()` (nothing is launched)."""
+    return _recorder is not None
 
 
 @contextlib.contextmanager

@@ -169,3 +169,93 @@ def test_step_index_once_per_step_and_as_derived(mixer, monkeypatch):
             counts.append(ops.names)
     assert derive_ops <= set(counts[0]) and not derive_ops & set(counts[1]), counts
     assert len(counts[1]) <= len(counts[0]) - len(derive_ops)
+
+
+def _layer(seed: int, prefix: str):
+    """Another mixer of the tiny config (its own weights), as a later layer of the same model."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from export.vllm_model import LaplaceVllmMixer
+    from laplace_jax.config import load_config
+
+    g = torch.Generator().manual_seed(seed)
+    with set_current_vllm_config(VllmConfig()):
+        m = LaplaceVllmMixer(load_config("laplace_tiny").model, prefix)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 1.0) + (p.dim() == 1))
+    return m.eval()
+
+
+LAUNCHERS = ((conv, "conv_prefill_inplace"), (gla_prefill, "gla_prefill_inplace"),
+             (gla_decode, "gla_decode_inplace"), (gated_mix, "gated_mix_fused"))
+
+
+@pytest.mark.parametrize("shape", ["mixed", "lone"])
+def test_later_layers_replay_the_first_layers_launches_exactly(mixer, monkeypatch, shape):
+    """export/ops/launch_tape.py: within one step, layers after the first replay the first layer's
+    recorded launches and GEMMs with their own tensors (no launcher runs: 0 calls) and get the very
+    bits of running the launchers themselves (LAPLACE_VLLM_REPLAY=0): outputs and both pools, three
+    layers, a mixed step (decode rows + 5 prefills, serial GLA) and a lone prompt (chunked GLA).
+    A layer whose residual has other strides runs live; a first layer whose input the launchers
+    must copy (not row-major) makes no tape."""
+    from export.ops import launch_keys
+
+    layers = [mixer, _layer(21, "layers.1.mixer"), _layer(22, "layers.2.mixer")]
+    C, D, H, K, V = mixer.cfg.conv_kernel, mixer.cfg.d_model, mixer.H, mixer.K, mixer.V
+    if shape == "mixed":
+        nd, lens, ctx, slots = 2, [1, 3, 17, 40, 5], [5, 0, 0, 7, 12, 33, 0], [4, 9, 2, 7, 11, 1, 5]
+    else:
+        nd, lens, ctx, slots = 0, [300], [0], [3]
+    n = nd + sum(lens)
+    g = torch.Generator().manual_seed(9)
+    pools0 = [(torch.randn(13, C, D, generator=g), torch.randn(13, H, K, V, generator=g)) for _ in layers]
+    xns = [torch.randn(n + 2, D, generator=g) for _ in layers]
+    res0 = torch.randn(n + 2, D, generator=g)
+    monkeypatch.setenv("LAPLACE_VLLM_TRITON", "1")
+    calls, launches = [], []
+    for mod, name in LAUNCHERS:
+        f = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, f=f, name=name, **kw: calls.append(name) or f(*a, **kw))
+    run = launch_keys.run
+    for mod in (launch_keys, conv, gla_decode, gla_prefill, gla_prefill.chunked, gated_mix):   # run's users
+        monkeypatch.setattr(mod, "run", lambda launch: launches.append(launch.kernel) or run(launch))
+
+    def step(replay: str, strided_layer: int = -1, xn_first=None):
+        monkeypatch.setenv("LAPLACE_VLLM_REPLAY", replay)
+        md = _step(nd, lens, ctx, slots)
+        pools = [(c.clone(), s.clone()) for c, s in pools0]
+        res = res0.clone()
+        per_layer = []
+        for i, (m, p) in enumerate(zip(layers, pools)):
+            monkeypatch.setattr(m, "_metadata", lambda: md)
+            monkeypatch.setattr(m, "_pools", lambda p=p: p)
+            calls.clear()
+            launches.clear()
+            target = res
+            if i == strided_layer:          # the residual as a column block of a wider buffer
+                target = torch.zeros(n + 2, 2 * D)[:, :D]
+                target.copy_(res)
+            m._forward(xns[i] if i or xn_first is None else xn_first, target)
+            res.copy_(target)
+            per_layer.append((list(calls), len(launches)))
+        return res, pools, per_layer
+
+    live, live_pools, live_calls = step("0")
+    got, got_pools, got_calls = step("1")
+    assert live_calls[0][0] and all(c == live_calls[0] for c in live_calls)   # live: every layer runs them
+    assert got_calls[0] == live_calls[0]                                    # layer 0 records
+    assert got_calls[1:] == [([], live_calls[0][1])] * 2                    # later layers replay its launches
+    assert torch.equal(got, live)
+    for (a, b), (c, d) in zip(got_pools, live_pools):
+        assert torch.equal(a, c) and torch.equal(b, d)
+
+    # layer 1's residual has other strides: it runs the launchers itself, layer 2 replays again
+    strided, _, strided_calls = step("1", strided_layer=1)
+    assert strided_calls[1] == live_calls[0] and strided_calls[2] == ([], live_calls[0][1])
+    assert torch.equal(strided, step("0", strided_layer=1)[0])
+    # a first layer whose input is not row-major: its launchers copy it, so no tape is kept
+    xn_t = xns[0].t().contiguous().t()
+    copied, _, copied_calls = step("1", xn_first=xn_t)
+    assert all(c == live_calls[0] for c in copied_calls)
+    assert torch.equal(copied, live)
