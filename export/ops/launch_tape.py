@@ -24,8 +24,9 @@ Safe by construction, else not used:
 - scratch buffers are reused by every layer of the step: the layers run in order on one stream, so
   a layer's writes follow the previous layer's reads of the same buffer.
 - no tape inside a CUDA-graph capture (a graph replays its own launches), under
-  `launch_keys.recording()` (nothing is launched there), with a Triton launch hook set (profilers),
-  or with LAPLACE_VLLM_REPLAY=0 (the A/B switch).
+  `launch_keys.recording()` (nothing is launched there) or with LAPLACE_VLLM_REPLAY=0 (the A/B
+  switch).  Off CUDA, or with a Triton launch hook registered (profilers), a replayed launch goes
+  through `launch_keys.run` (Triton's own launch path, which calls the hooks).
 """
 import os
 from typing import Any, Optional
@@ -157,9 +158,7 @@ class _Recording:
         self.tape = tape
 
     def __enter__(self) -> Tape:
-        hooks = triton.knobs.runtime if triton is not None and hasattr(triton, "knobs") else None
-        self.tape.direct = (self.tape.direct_ok and hooks is not None
-                            and hooks.launch_enter_hook is None and hooks.launch_exit_hook is None)
+        self.tape.direct = self.tape.direct_ok and no_launch_hooks()
         self.saved = launch_keys.set_tape(self.tape)
         return self.tape
 
@@ -167,6 +166,17 @@ class _Recording:
         launch_keys.set_tape(self.saved)
         if exc[0] is not None:
             self.tape.valid = False
+
+
+def no_launch_hooks() -> bool:
+    """Whether Triton has no launch hooks to call (profilers add them): the compiled launcher is
+    then called without any.  Triton 3.6 keeps each hook as a `HookChain` (empty: `.calls == []`),
+    older versions as a callable or None; without `triton.knobs` the answer is False."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None:
+        return False
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return all(h is None or getattr(h, "calls", None) == [] for h in hooks)
 
 
 def can_record(device: torch.device) -> bool:

@@ -259,3 +259,30 @@ def test_later_layers_replay_the_first_layers_launches_exactly(mixer, monkeypatc
     copied, _, copied_calls = step("1", xn_first=xn_t)
     assert all(c == live_calls[0] for c in copied_calls)
     assert torch.equal(copied, live)
+
+
+def test_replay_calls_the_compiled_launcher_only_without_launch_hooks():
+    """launch_tape.no_launch_hooks against the installed Triton's own knobs: True as installed (its
+    hooks are empty chains, not None, since Triton 3.6: a check for None alone never took the
+    direct path on the GPU), False while a profiler-style launch hook is registered, True again
+    once it is removed."""
+    import triton
+
+    from export.ops import launch_tape
+
+    assert launch_tape.no_launch_hooks()
+    chain = triton.knobs.runtime.launch_enter_hook
+    hook = lambda *a, **kw: None   # noqa: E731
+    if hasattr(chain, "add"):
+        chain.add(hook)
+        try:
+            assert not launch_tape.no_launch_hooks()
+        finally:
+            chain.remove(hook)
+    else:
+        triton.knobs.runtime.launch_enter_hook = hook
+        try:
+            assert not launch_tape.no_launch_hooks()
+        finally:
+            triton.knobs.runtime.launch_enter_hook = chain
+    assert launch_tape.no_launch_hooks()
