@@ -1,8 +1,8 @@
 """Where a lone prompt's prefill step spends its wall time on the host: Laplace beside the Llama peer.
 
-    python benchmarks/prefill_host.py --out DIR --model-dir /dev/shm/lap --peer-dir /dev/shm/peer
-        [--lengths 512,2048,8192] [--reps 5] [--max-num-seqs 256] [--capture 256]
-    python benchmarks/prefill_host.py --smoke --out DIR          # CPU, tiny config (the test)
+    python benchmarks/prefill_host.py --out DIR --model-dir /dev/shm/lap [--peer-dir /dev/shm/peer]
+        [--replay-ab] [--lengths 512,2048,8192] [--reps 5] [--max-num-seqs 256] [--capture 256]
+    python benchmarks/prefill_host.py --smoke --out DIR --model-dir TINY_FOLDER   # CPU, float32
 
 Each model runs in a child process with vLLM's engine in that process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
 configured as `online_bench` configures its servers (--max-num-seqs, decode CUDA graphs captured up to
@@ -11,8 +11,13 @@ is generated with max_tokens=1 (its prefill step and first token, the offline pa
 times after two warm-ups.  Host clocks (time.perf_counter around the calls, no profiler) split the wall
 time: the model's forward (its Python and kernel launches; the GPU runs behind it), and for Laplace the
 24 mixer calls inside it (`LaplaceVllmMixer._forward`, run eagerly between vLLM's CUDA-graph pieces)
-and the Triton launches inside those (`launch_keys.run`).  Also the GPU time of the forward (CUDA
-events around it).  Writes DIR/prefill_host.json and prints one row per model and length.
+and the launcher calls inside those (`launch_keys.run`: a replayed layer makes none,
+export/ops/launch_tape.py).  Also the GPU time of the forward (CUDA events around it).
+
+Then a few prompts of mixed lengths sent together, greedy, 8 tokens with their logprobs; for Laplace
+again in the same engine with LAPLACE_VLLM_REPLAY=0 (the tape off): tokens must be equal (the exit
+status says so) and the logprob difference is reported.  --replay-ab also runs a second Laplace child
+with the tape off, for its timings.  Writes DIR/prefill_host.json and prints one row per model and length.
 """
 import argparse
 import json
@@ -156,10 +161,17 @@ def child(a) -> dict:
         log(f"ROW {json.dumps(row)}")
         rows.append(row)
     agree = agreement_run(llm, SamplingParams, a)
+    res = {"rows": rows, "agreement": agree, "device": torch.cuda.get_device_name() if cuda else "cpu",
+           "engine": kw, "replay": os.environ.get("LAPLACE_VLLM_REPLAY", "1")}
+    if laplace and res["replay"] != "0":
+        # the same engine with the tape off (launch_tape reads the switch at each step)
+        os.environ["LAPLACE_VLLM_REPLAY"] = "0"
+        res["replay_vs_live_same_engine"] = compare(agree, agreement_run(llm, SamplingParams, a))
+        os.environ["LAPLACE_VLLM_REPLAY"] = res["replay"]
+        log(f"replay vs live, same engine: {res['replay_vs_live_same_engine']}")
     from vllm_check import stop_engine
     stop_engine(llm)
-    return {"rows": rows, "agreement": agree, "device": torch.cuda.get_device_name() if cuda else "cpu",
-            "engine": kw, "replay": os.environ.get("LAPLACE_VLLM_REPLAY", "1")}
+    return res
 
 
 def agreement_run(llm, SamplingParams, a) -> dict:
@@ -236,6 +248,8 @@ def main(argv=None) -> int:
         print(f"replay vs live: {result['replay_vs_live']}")
         if not result["replay_vs_live"]["tokens_equal"]:
             status = 1
+    if "laplace" in got and not got["laplace"].get("replay_vs_live_same_engine", {}).get("tokens_equal", True):
+        status = 1
     (out / "prefill_host.json").write_text(json.dumps(result, indent=2) + "\n")
     for name, res in result["models"].items():
         for r in res["rows"]:
