@@ -2,7 +2,7 @@
 
     python benchmarks/prefill_host.py --out DIR --model-dir /dev/shm/lap [--peer-dir /dev/shm/peer]
         [--replay-ab] [--lengths 512,2048,8192] [--reps 5] [--max-num-seqs 256] [--capture 256]
-    python benchmarks/prefill_host.py --smoke --out DIR --model-dir TINY_FOLDER   # CPU, float32
+    python benchmarks/prefill_host.py --smoke --out DIR      # CPU: the tiny config's random weights, float32
 
 Each model runs in a child process with vLLM's engine in that process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
 configured as `online_bench` configures its servers (--max-num-seqs, decode CUDA graphs captured up to
@@ -194,6 +194,16 @@ def compare(a: dict, b: dict) -> dict:
     return {"tokens_equal": a["tokens"] == b["tokens"], "max_abs_logprob_diff": diff}
 
 
+def tiny_folder(folder: Path, max_len: int) -> Path:
+    """The tiny config's random-weight float32 folder (--smoke without --model-dir), built once."""
+    if not (folder / "config.json").exists():
+        from laplace_jax.config import load_config
+        from serve_bench.folders import build_random_folder
+
+        build_random_folder(load_config("laplace_tiny").model, folder, "float32", max_len)
+    return folder
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -225,6 +235,8 @@ def main(argv=None) -> int:
         (out / f"prefill_host_{a.child}.json").write_text(json.dumps(res, indent=2) + "\n")
         from vllm_check import exit_skipping_teardown
         exit_skipping_teardown(0)
+    if a.model_dir is None and a.smoke:
+        a.model_dir = str(tiny_folder(out / "tiny_laplace", a.max_len))
     if a.model_dir is None:
         raise SystemExit("error: --model-dir FOLDER (a Laplace export, e.g. the serve benchmark's) is required")
     models = ([("laplace", a.model_dir, "1")] + ([("laplace_live", a.model_dir, "0")] if a.replay_ab else [])

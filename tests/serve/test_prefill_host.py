@@ -1,0 +1,36 @@
+"""benchmarks/prefill_host.py end to end on CPU (`--smoke`: the tiny config's random weights in
+float32, vLLM CPU, the torch path): the rows it writes, the host split of each prefill step, and the
+greedy agreement batch run twice in one engine.  About 40 s."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import BENCHMARKS, ROOT, cpu_vllm_env, need
+
+need("torch")
+need("vllm")
+
+from laplace_jax.config import load_config
+
+
+@pytest.mark.slow
+def test_smoke_rows_host_split_and_agreement(tmp_path):
+    r = subprocess.run([sys.executable, str(BENCHMARKS / "prefill_host.py"), "--smoke", "--out", str(tmp_path),
+                        "--reps", "2"], cwd=ROOT, env=cpu_vllm_env(), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "prefill_host.json").read_text())["models"]["laplace"]
+    layers = load_config("laplace_tiny").model.num_layers
+    assert [row["prompt_len"] for row in res["rows"]] == [32, 64]
+    for row in res["rows"]:
+        # one prefill step a request: one forward, one mixer call a layer, inside the forward's time,
+        # inside the request's wall time
+        assert row["calls"]["forward"] == 1 and row["calls"]["mixers"] == layers, row
+        assert 0 < row["host_ms"]["mixers"] < row["host_ms"]["forward"] < row["wall_ms"], row
+        assert len(row["wall_ms_all"]) == 2
+    agree = res["agreement"]
+    assert agree["prompt_lens"] == [37, 64]
+    assert [len(t) for t in agree["tokens"]] == [8, 8] and all(len(lp) == 8 for lp in agree["logprobs"])
+    assert all(lp <= 0 for lps in agree["logprobs"] for lp in lps)
+    assert res["replay_vs_live_same_engine"] == {"tokens_equal": True, "max_abs_logprob_diff": 0.0}
