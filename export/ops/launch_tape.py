@@ -80,7 +80,12 @@ class Tape:
             self._step_ids.add(id(t))
             self._keep.append(t)
 
-    def _subs(self, args) -> Optional[list]:
+    def _subs(self, args, kwargs) -> Optional[list]:
+        """(position, role) of each positional tensor argument, or None when a tensor is neither a
+        role nor the step's, or is passed by keyword (positions are the bound values' indices: the
+        binder puts positional arguments first, in signature order)."""
+        if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+            return None
         subs = []
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
@@ -93,7 +98,7 @@ class Tape:
 
     def launched(self, launch: launch_keys.Launch, compiled: Any) -> None:
         """`launch_keys.run`'s report of a launch it made while recording."""
-        subs = self._subs(launch.args)
+        subs = self._subs(launch.args, launch.kwargs)
         if subs is None:
             self.valid = False
             return
