@@ -27,6 +27,7 @@ class StepIndex(NamedTuple):
     keep8: torch.Tensor           # has_ctx as int8, the kernels' flag
     cu_decode: torch.Tensor       # [nd + 1] int32: 0..nd, the decode rows as one-token requests
     cu_prefill: torch.Tensor      # [npf + 1] int32: prefill offsets from the first prefill token
+    shared: dict                  # what else the step's layers share (the mixer's launch tape)
 
 
 _ATTR = "_laplace_step_index"
@@ -49,7 +50,7 @@ def derive(md) -> StepIndex:
     cu_prefill = (qsl[nd:] - qsl[nd]).to(torch.int32).contiguous()
     cu_decode = torch.arange(nd + 1, device=qsl.device, dtype=torch.int32)
     return StepIndex(nd, npf, int(md.num_decode_tokens) + int(md.num_prefill_tokens), qsl, slots, has_ctx,
-                     has_ctx.to(torch.int8), cu_decode, cu_prefill)
+                     has_ctx.to(torch.int8), cu_decode, cu_prefill, {})
 
 
 def _capturing(device: torch.device) -> bool:
@@ -71,16 +72,11 @@ def kept(md, attr: str, key: tuple, build: Callable[[], T]) -> T:
     return value
 
 
-def step_key(md) -> tuple:
-    """What tells one step's metadata from another's on the same object: the step's sizes, whether
-    a CUDA graph is being captured (a capture derives its own arrays, inside the graph) and the slot
-    tensor itself (a shallow copy of `md` with other state indices, as vLLM's `update_block_table`
-    makes for a second state group, carries the first one's attributes: it must not reuse its
-    slots)."""
-    return (_capturing(md.query_start_loc.device), int(md.num_decodes), int(md.num_prefills),
-            int(md.num_decode_tokens), int(md.num_prefill_tokens), id(md.state_indices_tensor))
-
-
 def of_step(md) -> StepIndex:
-    """`derive(md)`, once per step (`kept`, keyed by `step_key`)."""
-    return kept(md, _ATTR, step_key(md), lambda: derive(md))
+    """`derive(md)`, once per step (`kept`), keyed by the step's sizes, whether a CUDA graph is
+    being captured (a capture derives its own, inside the graph) and the slot tensor itself (a
+    shallow copy of `md` with other state indices, as vLLM's `update_block_table` makes for a
+    second state group, carries the first one's attribute: it must not reuse its slots)."""
+    key = (_capturing(md.query_start_loc.device), int(md.num_decodes), int(md.num_prefills),
+           int(md.num_decode_tokens), int(md.num_prefill_tokens), id(md.state_indices_tensor))
+    return kept(md, _ATTR, key, lambda: derive(md))

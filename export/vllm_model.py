@@ -171,7 +171,7 @@ class LaplaceVllmMixer(LaplaceMixer, MambaBase):
                      g_gamma=self.g_gamma, aug=self.aug_balance, norm=self.head_norm, w_qkvg=self.w_qkvg.weight,
                      w_out=self.w_out.weight, x_dec=xn[:ix.nd], res_dec=residual[:ix.nd], x_pf=xn[t0:ix.n],
                      res_pf=residual[t0:ix.n])
-        held = step_index.kept(md, "_laplace_tape", step_index.step_key(md), launch_tape.Held)
+        held = ix.shared.setdefault("tape", launch_tape.Held())   # one per step, as ix is
         if held.tape is not None and held.tape.replay(roles):
             return
         tape = None
