@@ -160,13 +160,13 @@ def child(a) -> dict:
                "calls": dict(clock.n), "forward_gpu_ms": statistics.median(gpu_ms) if gpu_ms else None}
         log(f"ROW {json.dumps(row)}")
         rows.append(row)
-    agree = agreement_run(llm, SamplingParams, a)
+    agree = agreement_run(llm, a)
     res = {"rows": rows, "agreement": agree, "device": torch.cuda.get_device_name() if cuda else "cpu",
            "engine": kw, "replay": os.environ.get("LAPLACE_VLLM_REPLAY", "1")}
     if laplace and res["replay"] != "0":
         # the same engine with the tape off (launch_tape reads the switch at each step)
         os.environ["LAPLACE_VLLM_REPLAY"] = "0"
-        res["replay_vs_live_same_engine"] = compare(agree, agreement_run(llm, SamplingParams, a))
+        res["replay_vs_live_same_engine"] = compare(agree, agreement_run(llm, a))
         os.environ["LAPLACE_VLLM_REPLAY"] = res["replay"]
         log(f"replay vs live, same engine: {res['replay_vs_live_same_engine']}")
     from vllm_check import stop_engine
@@ -174,9 +174,11 @@ def child(a) -> dict:
     return res
 
 
-def agreement_run(llm, SamplingParams, a) -> dict:
+def agreement_run(llm, a) -> dict:
     """Greedy tokens and their logprobs for a few prompts of mixed lengths sent together (one step
     prefills them all, then decode steps): what the replay A/B compares (`compare`)."""
+    from vllm import SamplingParams
+
     from serve_bench.measures import make_prompts
 
     lens = [n for n in (37, 300, 1000, max(a.lengths)) if n <= max(a.lengths)]
