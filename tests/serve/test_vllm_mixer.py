@@ -18,23 +18,27 @@ interpret = interpreter_fixture(conv._conv_prefill_kernel, gla_decode._gla_decod
                                 gla_prefill._gla_prefill_kernel, gated_mix._gated_mix_kernel)
 
 
-@pytest.fixture(scope="module")
-def mixer():
-    """A LaplaceVllmMixer of the tiny config with random weights (built in a default VllmConfig)."""
-    need("vllm")
+def _layer(seed: int, prefix: str):
+    """A mixer of the tiny config with random weights from `seed` (layer `prefix` of a model)."""
     from vllm.config import VllmConfig, set_current_vllm_config
 
     from export.vllm_model import LaplaceVllmMixer
     from laplace_jax.config import load_config
 
-    cfg = load_config("laplace_tiny").model
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator().manual_seed(seed)
     with set_current_vllm_config(VllmConfig()):
-        m = LaplaceVllmMixer(cfg, "layers.0.mixer")
+        m = LaplaceVllmMixer(load_config("laplace_tiny").model, prefix)
     with torch.no_grad():
         for p in m.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 1.0) + (p.dim() == 1))
     return m.eval()
+
+
+@pytest.fixture(scope="module")
+def mixer():
+    """A LaplaceVllmMixer of the tiny config with random weights (built in a default VllmConfig)."""
+    need("vllm")
+    return _layer(5, "layers.0.mixer")
 
 
 def _step(nd, lens, ctx, slots):
@@ -169,22 +173,6 @@ def test_step_index_once_per_step_and_as_derived(mixer, monkeypatch):
             counts.append(ops.names)
     assert derive_ops <= set(counts[0]) and not derive_ops & set(counts[1]), counts
     assert len(counts[1]) <= len(counts[0]) - len(derive_ops)
-
-
-def _layer(seed: int, prefix: str):
-    """Another mixer of the tiny config (its own weights), as a later layer of the same model."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-
-    from export.vllm_model import LaplaceVllmMixer
-    from laplace_jax.config import load_config
-
-    g = torch.Generator().manual_seed(seed)
-    with set_current_vllm_config(VllmConfig()):
-        m = LaplaceVllmMixer(load_config("laplace_tiny").model, prefix)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 1.0) + (p.dim() == 1))
-    return m.eval()
 
 
 LAUNCHERS = ((conv, "conv_prefill_inplace"), (gla_prefill, "gla_prefill_inplace"),
