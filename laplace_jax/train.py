@@ -53,7 +53,7 @@ from laplace_jax.model import init_params, param_shapes
 from laplace_jax.optim import build_optimizer, make_schedule
 from laplace_jax.neuron import host_init_params, host_key, is_neuron, use_rbg_prng
 from laplace_jax.metrics import RunLog
-from laplace_jax.platform import gpu_memory_note, select_platform, size_gpu_memory
+from laplace_jax.platform import MEM_FRACTION_VAR, gpu_memory_note, select_platform, size_gpu_memory
 from laplace_jax.rundir import RunDirBusy, RunDirLock
 from laplace_jax.sharding import (batch_sharding, make_mesh, opt_state_shardings, param_shardings,
                                   replicated)
@@ -151,6 +151,33 @@ class RunLayout:
             raise ConfigError(f"train.micro_batch={M} is not divisible by the {n_devices} devices: "
                               f"use a multiple of {n_devices}")
         return cls(S, G, M, G // M, processes)
+
+
+def out_of_memory(err: BaseException, cfg: Config, n_devices: int, device_kind: str,
+                  pool_fraction: float | None) -> str | None:
+    """The one-line error for XLA's out-of-memory errors (a step, its compilation or the initial state
+    that does not fit the devices' memory pool), naming the settings that shrink it; None for any other.
+    `pool_fraction`: the GPU pool share the trainer set (None: not a GPU, or the user sized the pool).
+    The micro-batch it suggests is the next smaller one the layout accepts (a divisor of the step's
+    sequences and a multiple of the devices): the same step, in more accumulated pieces."""
+    text = str(err)
+    oom = [ln.strip() for ln in text.splitlines() if "RESOURCE_EXHAUSTED" in ln or "out of memory" in ln.lower()]
+    if not oom:   # XLA says RESOURCE_EXHAUSTED, or INTERNAL with "Out of memory" when a dispatch fails
+        return None
+    G = cfg.train.batch_tokens // cfg.model.seq_len
+    M = min(cfg.train.micro_batch, G)
+    smaller = next((m for m in range(M - 1, 0, -1) if G % m == 0 and m % n_devices == 0), None)
+    fixes = [f"train.micro_batch={smaller}"] if smaller else []
+    if cfg.execution.remat != "full":
+        fixes.append("execution.remat=full")
+    if pool_fraction is not None and pool_fraction < 0.95:
+        fixes.append(f"train.gpu_mem_fraction=0.95 (now {pool_fraction:g})")
+    what = oom[0][:200]
+    params_gib = ckpt.arrays_bytes(param_shapes(cfg.model)) / 2**30
+    return (f"out of device memory on {n_devices} x {device_kind} at train.micro_batch={M}, "
+            f"execution.remat={cfg.execution.remat} ({what}; the float32 parameters alone are "
+            f"{params_gib:,.2f} GiB, the optimizer state 1-2x that): use "
+            + " or ".join(fixes + ["more devices (mesh.fsdp shards the parameters and optimizer state)"]))
 
 
 def _peak_flops(cfg: Config) -> float | None:
@@ -650,6 +677,12 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(e, EXIT_USAGE)
     except (TrainError, ckpt.SaveError) as e:                                   # the run failed on its way
         return _fail(e, EXIT_FAILED)
+    except jax.errors.JaxRuntimeError as e:                        # a step too large for the devices' memory
+        fraction = float(gpu_env[MEM_FRACTION_VAR]) if gpu_env and jax.default_backend() == "gpu" else None
+        msg = out_of_memory(e, cfg, jax.device_count(), jax.devices()[0].device_kind, fraction)
+        if msg is None:
+            raise
+        return _fail(ConfigError(msg), EXIT_USAGE)
     last = summary["losses"].get(summary["final_step"])
     sig = summary["stopped_by_signal"]
     if jax.process_index() == 0:

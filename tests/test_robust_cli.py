@@ -99,6 +99,32 @@ def test_bad_input_is_one_line_and_exit_2(cmd, argv, says, tmp_path, read_only, 
         assert os.listdir(read_only) == []
 
 
+def test_train_out_of_device_memory_is_one_line_naming_smaller_settings(tmp_path, capsys):
+    """XLA's out-of-memory error, for real: a vocabulary of 2^30 tokens gives each of the 8 CPU devices
+    64 GiB shards of the embedding and the head, which it cannot allocate (XLA:CPU reports it as INTERNAL
+    "Out of memory allocating ..." when the step is dispatched). The error line names the micro-batch the
+    layout accepts next (16 sequences a step on 8 devices: 8), not XLA's traceback; no checkpoint is
+    written; any other runtime error is not taken for it."""
+    import jax
+
+    from laplace_jax.config import load_config
+    from laplace_jax.train import out_of_memory
+
+    status = train_main(["--run-dir", str(tmp_path / "r"), "--steps", "1", "train.batch_tokens=4096",
+                         "train.micro_batch=16", "model.vocab_size=1073741824"])
+    out, err = capsys.readouterr()
+    last = err.rstrip().splitlines()[-1]     # after the run's own notes (set-up, compile)
+    assert status == 2 and out == "" and "Traceback" not in err and err.count("error:") == 1, err
+    assert last.startswith("error: out of device memory on 8 x cpu at train.micro_batch=16, "
+                           "execution.remat=none ("), err
+    assert "ut of memory" in last, err
+    assert last.endswith("use train.micro_batch=8 or execution.remat=full or more devices "
+                         "(mesh.fsdp shards the parameters and optimizer state)"), err
+    assert not list((tmp_path / "r" / "checkpoints").iterdir())
+    cfg = load_config("laplace_tiny")
+    assert out_of_memory(jax.errors.JaxRuntimeError("INTERNAL: cuda error"), cfg, 1, "cpu", None) is None
+
+
 # `python -m export` where torch cannot be imported, as after `make train` (no serve extra): a meta-path
 # finder in front of every other answers any import of torch as an absent module does
 WITHOUT_TORCH = """
