@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_all.sh profile OUT # one prefill and 8 decode steps in vLLM under the torch profiler
 #   bash benchmarks/gpu_all.sh pair OUT [serve_bench args]  # 1,280 x 2,048 x 256: Laplace and the Llama peer
 #   bash benchmarks/gpu_all.sh online OUT --workloads sweep  # online serving (online_bench.py; <= 590 s a call)
+#   bash benchmarks/gpu_all.sh trainer OUT [ARGS] # the user's 3B command as shipped (+ ARGS), host RSS over its run
 # Wheels the GPU image lacks (fla-core, einops) are installed from .whl/ when present. Each part
 # runs under its own time limit so one hang cannot eat the whole call; logs land in OUT.
 set -uo pipefail
@@ -70,7 +71,19 @@ online)
     timeout 590 python3 benchmarks/online_bench.py --out "$out/online" --pack --model-dir /dev/shm/lap \
         --peer-dir /dev/shm/peer "${@:3}" > "$out/online.log" 2>&1
     tail -c 9000 "$out/online.log" ;;
-*) echo "usage: $0 gla|ops|kernels|train|serve|profile|pair|online OUT" >&2; exit 2 ;;
+trainer)
+    # `python -m laplace_jax.train --config laplace_3b` as a user types it (3 steps on the demo corpus
+    # carried in .e2e/data, no XLA flags), under rss_timeline (host RSS per phase, issue 34 item 4).
+    # If the step does not fit the GPU, the trainer's error line names a smaller micro-batch: run that
+    # too (~160 s a run on an H200; ~80 s more for a run that stops out of memory)
+    trainer() { timeout "$1" python3 benchmarks/rss_timeline.py --out "$out/rss_$2.tsv" -- python3 -m laplace_jax.train \
+                    --config laplace_3b --run-dir "/tmp/r_$2" --steps 3 data.path="$PWD/.e2e/data" "${@:3}" > "$out/train_$2.log" 2>&1
+                echo "== $2: rc $?"; cp "/tmp/r_$2/metrics.jsonl" "$out/metrics_$2.jsonl" 2>/dev/null
+                grep -a "error:\|peak RSS\|compiled\|written" "$out/train_$2.log" | cut -c1-330; }
+    CUDA_VISIBLE_DEVICES=0 trainer 240 shipped "${@:3}"
+    m=$(grep -o "use train.micro_batch=[0-9]*" "$out/train_shipped.log" | head -1 | cut -d= -f2)
+    [ -n "$m" ] && CUDA_VISIBLE_DEVICES=0 trainer 300 "mb$m" "${@:3}" train.micro_batch="$m" ;;
+*) echo "usage: $0 gla|ops|kernels|train|serve|profile|pair|online|trainer OUT" >&2; exit 2 ;;
 esac
 rm -f "$out"/*/bench.md
 grep -h "^\[bench\]\|^\[micro\]" "$out"/*.log 2>/dev/null | cut -c1-260
