@@ -678,8 +678,12 @@ def main(argv: list[str] | None = None) -> int:
     except (TrainError, ckpt.SaveError) as e:                                   # the run failed on its way
         return _fail(e, EXIT_FAILED)
     except jax.errors.JaxRuntimeError as e:                        # a step too large for the devices' memory
-        fraction = float(gpu_env[MEM_FRACTION_VAR]) if gpu_env and jax.default_backend() == "gpu" else None
-        msg = out_of_memory(e, cfg, jax.device_count(), jax.devices()[0].device_kind, fraction)
+        try:
+            devices = jax.devices()
+        except Exception:  # noqa: BLE001 - the backend itself did not start: its own error is the one to see
+            raise e from None
+        fraction = float(gpu_env[MEM_FRACTION_VAR]) if gpu_env and devices[0].platform == "gpu" else None
+        msg = out_of_memory(e, cfg, len(devices), devices[0].device_kind, fraction)
         if msg is None:
             raise
         return _fail(ConfigError(msg), EXIT_USAGE)
