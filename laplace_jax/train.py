@@ -164,8 +164,8 @@ def out_of_memory(err: BaseException, cfg: Config, n_devices: int, device_kind: 
     oom = [ln.strip() for ln in text.splitlines() if "RESOURCE_EXHAUSTED" in ln or "out of memory" in ln.lower()]
     if not oom:   # XLA says RESOURCE_EXHAUSTED, or INTERNAL with "Out of memory" when a dispatch fails
         return None
-    G = cfg.train.batch_tokens // cfg.model.seq_len
-    M = min(cfg.train.micro_batch, G)
+    layout = RunLayout.from_config(cfg, n_devices, processes=1)   # valid: the run got as far as the devices
+    G, M = layout.seqs_per_step, layout.micro
     smaller = next((m for m in range(M - 1, 0, -1) if G % m == 0 and m % n_devices == 0), None)
     fixes = [f"train.micro_batch={smaller}"] if smaller else []
     if cfg.execution.remat != "full":
