@@ -473,6 +473,14 @@ class _Launched:
     step: int
     metrics: dict[str, jax.Array]    # loss, grad_norm, finite: scalars still being computed
     t_start: float                   # when the host began to build its batch
+    t_end: float | None = None       # a bound on its end, where the next launch waited it out
+
+    def ended_during(self, later: "_Launched") -> None:
+        """Record that this step was done when the launch of `later` returned: the launch call waited
+        for the devices (synchronous dispatch; on a GPU, CUDA's launch queue fills within a step of
+        thousands of kernels), so the wait belongs to `later` and this step ended by its start."""
+        if all(x.is_ready() for x in jax.tree.leaves(self.metrics)):
+            self.t_end = later.t_start
 
 
 def _launch(run: Run, step_fn: Callable, step: int) -> _Launched:
@@ -559,11 +567,12 @@ class _Loop:
 def _complete(loop: _Loop, done: _Launched, ahead: bool) -> None:
     """Wait for step `done.step`, then check, evaluate, log and save it as due. `ahead`: the next step
     is already running (so this one is neither evaluated nor saved: `_read_before_next`). Its time is
-    from the later of its batch's start and the previous step's end to its end: between consecutive
-    ends while steps overlap."""
+    from the later of its batch's start and the previous step's end to its end (when the host read
+    it, or the next step's start where the next launch waited it out): between consecutive ends while
+    steps overlap."""
     run, saver, cfg, step = loop.run, loop.saver, loop.run.cfg, done.step
     m = jax.device_get(done.metrics)   # the step's end: its three scalars in one transfer
-    t_done = time.perf_counter()
+    t_done = time.perf_counter() if done.t_end is None else done.t_end
     dt, loop.t_done = t_done - max(done.t_start, loop.t_done), t_done
     loss, gnorm, finite = float(m["loss"]), float(m["grad_norm"]), bool(m["finite"])
     rec = {"step": step, "loss": loss, "grad_norm": gnorm, "lr": loop.lrs(step), **loop.rates.row(dt)}
@@ -610,6 +619,7 @@ def run_loop(run: Run) -> dict[str, Any]:
             ahead = None
             if stop.signal is None and not _read_before_next(launched.step, cfg, run.total):
                 ahead = _launch(run, step_fn, launched.step + 1)
+                launched.ended_during(ahead)
             _complete(loop, launched, ahead is not None)
             step, launched = launched.step, ahead
         if stop.signal is not None and saver.last_good != step:

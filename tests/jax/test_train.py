@@ -168,6 +168,41 @@ def test_the_next_step_runs_while_the_host_reads_one(tmp_path, capsys, monkeypat
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and all(r["step_time_s"] > 0 for r in rows)
 
 
+_SYNC_DISPATCH_RUN = """
+import json, sys, time
+import jax
+jax.config.update("jax_cpu_enable_async_dispatch", False)   # each launch returns once its step is done
+import laplace_jax.train as t
+launch, spent = t._launch, {}
+def timed_launch(run, step_fn, step):
+    t0 = time.perf_counter()
+    out = launch(run, step_fn, step)
+    spent[step] = time.perf_counter() - t0
+    return out
+t._launch = timed_launch
+status = t.main(sys.argv[1:])
+print(json.dumps(spent))
+sys.exit(status)
+"""
+
+
+def test_step_times_hold_where_the_launch_waits_for_the_step(tmp_path):
+    """Where a launch waits for its step (a GPU whose launch queue fills within a step; here the CPU's
+    synchronous dispatch), each row's step time still covers its own step: at least the launch's own
+    wait, at most 1.5x it (the tiny config's step, ~0.5 s here, against ms of host work between). The
+    step evaluated and saved, and the last, were once timed from the read of the step before (after
+    this step's launch had waited it out): a few ms; the first step had two."""
+    run = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-c", _SYNC_DISPATCH_RUN, "--config", "laplace_tiny", "--run-dir", str(run),
+                        "--steps", "6", "train.ckpt_every=3", "train.eval_every=3", "train.eval_batches=1"],
+                       cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    spent = {int(k): v for k, v in json.loads(p.stdout.strip().splitlines()[-1]).items()}
+    rows = {r["step"]: r["step_time_s"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(rows) == sorted(spent) == [1, 2, 3, 4, 5, 6]
+    assert all(spent[s] <= rows[s] <= 1.5 * spent[s] for s in rows), (rows, spent)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 def _error(capsys, argv, status=2):
