@@ -80,8 +80,9 @@ trainer)
                     --config laplace_3b --run-dir "/tmp/r_$2" --steps 3 data.path="$PWD/.e2e/data" "${@:3}" > "$out/train_$2.log" 2>&1
                 echo "== $2: rc $?"; cp "/tmp/r_$2/metrics.jsonl" "$out/metrics_$2.jsonl" 2>/dev/null
                 grep -a "error:\|peak RSS\|compiled\|written" "$out/train_$2.log" | cut -c1-330; }
-    CUDA_VISIBLE_DEVICES=0 trainer 240 shipped "${@:3}"
-    m=$(grep -o "use train.micro_batch=[0-9]*" "$out/train_shipped.log" | head -1 | cut -d= -f2)
+    first=shipped; [ $# -gt 2 ] && first=with_args   # ARGS may override the shipped config
+    CUDA_VISIBLE_DEVICES=0 trainer 240 "$first" "${@:3}"
+    m=$(grep -o "use train.micro_batch=[0-9]*" "$out/train_$first.log" | head -1 | cut -d= -f2)
     [ -n "$m" ] && CUDA_VISIBLE_DEVICES=0 trainer 300 "mb$m" "${@:3}" train.micro_batch="$m" ;;
 *) echo "usage: $0 gla|ops|kernels|train|serve|profile|pair|online|trainer OUT" >&2; exit 2 ;;
 esac
