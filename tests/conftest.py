@@ -76,18 +76,15 @@ def cli_env(**extra: str) -> dict:
     XLA_FLAGS (this process's 8 emulated devices; the CLI takes --local-devices); `extra` wins."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
-    env.update(CLI_COMPILE_CACHE)
+    # The suite's ~60 command-line runs build the same few tiny-config programs again and again (a
+    # 3-step train: 17 s uncached, 9 s with a warm cache, 2 CPU cores): they share the session's JAX
+    # persistent compilation cache (every entry, however quick its compile). Only subprocesses: tests
+    # in this process count their compiles (count_compiles), which a cache hit would hide.
+    if cache := os.environ.get("LAPLACE_TEST_COMPILE_CACHE"):
+        env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     env.update(extra)
     return env
-
-
-# The suite's ~60 command-line runs build the same few tiny-config programs again and again (a 3-step
-# train: 17 s uncached, 9 s with a warm cache, 2 CPU cores): they share one JAX persistent compilation
-# cache for the session (every entry, however quick its compile). Only subprocesses: tests in this
-# process count their compiles (count_compiles), which a cache hit would hide.
-CLI_COMPILE_CACHE = {"JAX_COMPILATION_CACHE_DIR": os.environ.get("LAPLACE_TEST_COMPILE_CACHE", ""),
-                     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 def pytest_configure(config) -> None:
@@ -96,7 +93,7 @@ def pytest_configure(config) -> None:
     import tempfile
     if not os.environ.get("LAPLACE_TEST_COMPILE_CACHE"):
         path = tempfile.mkdtemp(prefix="laplace-xla-cache-")
-        os.environ["LAPLACE_TEST_COMPILE_CACHE"] = CLI_COMPILE_CACHE["JAX_COMPILATION_CACHE_DIR"] = path
+        os.environ["LAPLACE_TEST_COMPILE_CACHE"] = path
         config.laplace_compile_cache = path
 
 
