@@ -2,6 +2,7 @@
 
     python benchmarks/prefill_host.py --out DIR --model-dir /dev/shm/lap [--peer-dir /dev/shm/peer]
         [--replay-ab] [--lengths 512,2048,8192] [--reps 5] [--max-num-seqs 256] [--capture 256]
+        [--decodes N]
     python benchmarks/prefill_host.py --smoke --out DIR      # CPU: the tiny config's random weights, float32
 
 Each model runs in a child process with vLLM's engine in that process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
@@ -13,6 +14,14 @@ time: the model's forward (its Python and kernel launches; the GPU runs behind i
 24 mixer calls inside it (`LaplaceVllmMixer._forward`, run eagerly between vLLM's CUDA-graph pieces)
 and the launcher calls inside those (`launch_keys.run`: a replayed layer makes none,
 export/ops/launch_tape.py).  Also the GPU time of the forward (CUDA events around it).
+
+With --decodes N, each length is also measured as a prompt arriving while N other requests decode
+(`mixed_rows`): the engine is stepped by hand (`LLMEngine.add_request` / `step`), and a row holds the
+time from adding the prompt to its first token, the walls of the steps that took (the mixed step:
+its prefill beside the N decode rows), the host split and GPU time of those steps, and the median
+decode-only step of the same N requests before it (what a running request's ITL is between
+arrivals).  Under traffic this is the step a new request's TTFT and the running ones' ITL spikes
+wait on (BENCHMARKS.md run S17).
 
 Then a few prompts of mixed lengths sent together, greedy, 8 tokens with their logprobs; for Laplace
 again in the same engine with LAPLACE_VLLM_REPLAY=0 (the tape off): tokens must be equal (the exit
@@ -160,8 +169,9 @@ def child(a) -> dict:
                "calls": dict(clock.n), "forward_gpu_ms": statistics.median(gpu_ms) if gpu_ms else None}
         log(f"ROW {json.dumps(row)}")
         rows.append(row)
+    mixed = [mixed_row(llm, a, length, clock, gpu, cuda) for length in a.lengths] if a.decodes else []
     agree = agreement_run(llm, a)
-    res = {"rows": rows, "agreement": agree, "device": torch.cuda.get_device_name() if cuda else "cpu",
+    res = {"rows": rows, "mixed_rows": mixed, "agreement": agree, "device": torch.cuda.get_device_name() if cuda else "cpu",
            "engine": kw, "replay": os.environ.get("LAPLACE_VLLM_REPLAY", "1")}
     if laplace and res["replay"] != "0":
         # the same engine with the tape off (launch_tape reads the switch at each step)
@@ -172,6 +182,78 @@ def child(a) -> dict:
     from vllm_check import stop_engine
     stop_engine(llm)
     return res
+
+
+def _step_timed(engine, clock: Clock, gpu, cuda: bool) -> tuple[float, list, dict, float | None]:
+    """One `engine.step()`: its wall ms, its outputs, its host split (ms) and its GPU ms."""
+    import torch
+
+    clock.reset()
+    if gpu is not None:
+        gpu.take_ms()
+    t0 = time.perf_counter()
+    outs = engine.step()
+    if cuda:
+        torch.cuda.synchronize()
+    wall = 1e3 * (time.perf_counter() - t0)
+    return wall, outs, {k: 1e3 * v for k, v in clock.s.items()}, (gpu.take_ms() if gpu is not None else None)
+
+
+def mixed_row(llm, a, length: int, clock: Clock, gpu, cuda: bool) -> dict:
+    """A `length`-token prompt arriving while a.decodes requests decode (module docstring): --reps
+    arrivals after two warm-ups, each stepped until its first token."""
+    from vllm import SamplingParams
+
+    from serve_bench.measures import make_prompts
+
+    engine = llm.llm_engine
+    bg_len = 16
+    per_rep = 4                                   # decode steps between arrivals, then the arrival's
+    bg_tokens = per_rep * (a.reps + 2) * 4 + 16   # enough that none finishes during the row
+    assert bg_len + bg_tokens <= a.max_len, (bg_len, bg_tokens, a.max_len)
+    bg_sp = SamplingParams(temperature=0.0, max_tokens=bg_tokens, ignore_eos=True, detokenize=False)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+    bg = [f"bg{length}-{i}" for i in range(a.decodes)]
+    for rid, p in zip(bg, make_prompts(a.decodes, bg_len, seed=31)):
+        engine.add_request(rid, {"prompt_token_ids": p}, bg_sp)
+    for _ in range(per_rep):                      # their prefill, then decoding
+        _step_timed(engine, clock, gpu, cuda)
+    ttfts, steps, walls, decode_walls, splits, gpu_ms = [], [], [], [], [], []
+    for i, p in enumerate(make_prompts(a.reps + 2, length, seed=41)):
+        dw = [_step_timed(engine, clock, gpu, cuda)[0] for _ in range(per_rep)]
+        rid = f"new{length}-{i}"
+        t0 = time.perf_counter()
+        engine.add_request(rid, {"prompt_token_ids": p}, one)
+        n, sw, split, g, done = 0, [], {}, 0.0, False
+        while not done:
+            wall, outs, s, gm = _step_timed(engine, clock, gpu, cuda)
+            n, sw = n + 1, sw + [wall]
+            for k, v in s.items():
+                split[k] = split.get(k, 0.0) + v
+            g += gm or 0.0
+            done = any(o.request_id == rid and o.outputs and o.outputs[0].token_ids for o in outs)
+            if n > 64:
+                raise RuntimeError(f"{rid}: no first token after 64 steps")
+        ttft = 1e3 * (time.perf_counter() - t0)
+        if i < 2:
+            continue                              # warm-ups
+        ttfts.append(ttft)
+        steps.append(n)
+        walls.append(sw)
+        decode_walls.extend(dw)
+        splits.append(split)
+        gpu_ms.append(g)
+    engine.abort_request(bg)
+    while engine.has_unfinished_requests():
+        engine.step()
+    row = {"model": a.child, "prompt_len": length, "decodes": a.decodes,
+           "ttft_ms": statistics.median(ttfts), "ttft_ms_all": [round(t, 2) for t in ttfts],
+           "steps": steps, "step_walls_ms": [[round(w, 2) for w in sw] for sw in walls],
+           "decode_step_ms": statistics.median(decode_walls),
+           "host_ms": {k: round(statistics.median(s.get(k, 0.0) for s in splits), 3) for k in splits[0]},
+           "gpu_ms": statistics.median(gpu_ms) if cuda else None}
+    log(f"MIXED {json.dumps(row)}")
+    return row
 
 
 def agreement_run(llm, a) -> dict:
@@ -216,6 +298,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="Laplace also with LAPLACE_VLLM_REPLAY=0 (export/ops/launch_tape.py off)")
     ap.add_argument("--lengths", default=None, help="comma list of prompt lengths")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--decodes", type=int, default=0,
+                    help="also measure each length arriving while this many requests decode (0: not)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--capture", type=int, default=256, help="max_cudagraph_capture_size")
     ap.add_argument("--dtype", default=None)
@@ -248,7 +332,8 @@ def main(argv=None) -> int:
     for name, folder, replay in models:
         cmd = [sys.executable, __file__, "--out", str(out), "--child", name, "--folder", folder,
                "--lengths", ",".join(map(str, a.lengths)), "--reps", str(a.reps), "--dtype", a.dtype,
-               "--max-num-seqs", str(a.max_num_seqs), "--capture", str(a.capture)] + (["--smoke"] if a.smoke else [])
+               "--max-num-seqs", str(a.max_num_seqs), "--capture", str(a.capture),
+               "--decodes", str(a.decodes)] + (["--smoke"] if a.smoke else [])
         rc = subprocess.call(cmd, env={**os.environ, "LAPLACE_VLLM_REPLAY": replay})
         path = out / f"prefill_host_{name}.json"
         if rc != 0 or not path.exists():
@@ -270,6 +355,10 @@ def main(argv=None) -> int:
             print(f"{name:8s} {r['prompt_len']:6d} tokens: wall {r['wall_ms']:.2f} ms, forward GPU "
                   f"{r['forward_gpu_ms'] if r['forward_gpu_ms'] is None else round(r['forward_gpu_ms'], 2)} ms,"
                   f" host {r['host_ms']}")
+        for r in res.get("mixed_rows", []):
+            print(f"{name:8s} {r['prompt_len']:6d} tokens beside {r['decodes']} decodes: TTFT {r['ttft_ms']:.2f} ms"
+                  f" in {r['steps']} steps {r['step_walls_ms']}, decode-only step {r['decode_step_ms']:.2f} ms,"
+                  f" GPU {r['gpu_ms']}, host {r['host_ms']}")
     return status
 
 

@@ -1,6 +1,7 @@
 """benchmarks/prefill_host.py end to end on CPU (`--smoke`: the tiny config's random weights in
 float32, vLLM CPU, the torch path): the rows it writes, the host split of each prefill step, and the
-greedy agreement batch run twice in one engine.  About 40 s."""
+greedy agreement batch run twice in one engine; a prompt arriving beside decoding requests
+(`--decodes`).  About 40 s."""
 import json
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from laplace_jax.config import load_config
 @pytest.mark.slow
 def test_smoke_rows_host_split_and_agreement(tmp_path):
     r = subprocess.run([sys.executable, str(BENCHMARKS / "prefill_host.py"), "--smoke", "--out", str(tmp_path),
-                        "--reps", "2"], cwd=ROOT, env=cpu_vllm_env(), capture_output=True, text=True, timeout=900)
+                        "--reps", "2", "--decodes", "3"], cwd=ROOT, env=cpu_vllm_env(), capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((tmp_path / "prefill_host.json").read_text())["models"]["laplace"]
     layers = load_config("laplace_tiny").model.num_layers
@@ -29,6 +30,15 @@ def test_smoke_rows_host_split_and_agreement(tmp_path):
         assert row["calls"]["forward"] == 1 and row["calls"]["mixers"] == layers, row
         assert 0 < row["host_ms"]["mixers"] < row["host_ms"]["forward"] < row["wall_ms"], row
         assert len(row["wall_ms_all"]) == 2
+    # a prompt arriving beside 3 decoding requests: the steps until its first token are inside the
+    # time from its arrival, each step's forward holds its mixers, and the decode-only step was timed
+    assert [row["prompt_len"] for row in res["mixed_rows"]] == [32, 64]
+    for row in res["mixed_rows"]:
+        assert row["decodes"] == 3 and len(row["ttft_ms_all"]) == 2 and all(n >= 1 for n in row["steps"]), row
+        for t, walls in zip(row["ttft_ms_all"], row["step_walls_ms"]):
+            assert 0 < sum(walls) <= t + 0.02, row           # both rounded to 0.01 ms
+        assert 0 < row["host_ms"]["mixers"] < row["host_ms"]["forward"], row
+        assert row["decode_step_ms"] > 0
     agree = res["agreement"]
     assert agree["prompt_lens"] == [37, 64]
     assert [len(t) for t in agree["tokens"]] == [8, 8] and all(len(lp) == 8 for lp in agree["logprobs"])
