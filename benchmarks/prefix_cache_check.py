@@ -3,6 +3,7 @@ generated, the log-probabilities of what it generated, and what vLLM's prefix ca
 
     python benchmarks/prefix_cache_check.py --model DIR --requests '[[1, 2, 3], {"turn_of": 0, "add": [4]}]'
         [--caching on|off] [--block-size N] [--max-tokens 8] [--dtype float32] [--chat '[{...}]']
+        [--cuda-graphs]
 
 A request is a list of token ids, or {"turn_of": i, "add": [ids]}: request i's prompt, what request i
 generated, then `add` (the next turn of a conversation that resends everything).  Requests run one
@@ -41,10 +42,10 @@ def _state_backend(worker) -> str:
 
 
 def run(model: str, requests: list, *, caching: bool, block_size=None, max_tokens: int = 8,
-        dtype: str = "float32", max_model_len: int = 1024, chat=None) -> dict:
+        dtype: str = "float32", max_model_len: int = 1024, chat=None, cuda_graphs: bool = False) -> dict:
     from vllm import LLM, SamplingParams
 
-    kw = dict(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=4, enforce_eager=True,
+    kw = dict(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=4, enforce_eager=not cuda_graphs,
               seed=0, enable_prefix_caching=caching, disable_log_stats=False)
     if block_size:
         kw["block_size"] = block_size
@@ -87,12 +88,13 @@ def main(argv=None) -> int:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--chat", default=None, help="JSON list of chat messages for LLM.chat")
+    ap.add_argument("--cuda-graphs", action="store_true", help="vLLM's CUDA graphs on (default: eager)")
     a = ap.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")   # _state_backend, sent to the worker
     res = run(a.model, json_arg(a.requests), caching=a.caching == "on", block_size=a.block_size,
               max_tokens=a.max_tokens, dtype=a.dtype, max_model_len=a.max_model_len,
-              chat=json_arg(a.chat) if a.chat else None)
+              chat=json_arg(a.chat) if a.chat else None, cuda_graphs=a.cuda_graphs)
     print("PREFIX_CACHE_RESULT " + json.dumps(res))
     return 0
 

@@ -39,17 +39,18 @@ vLLM 0.26 picks 'all' for a model that declares `SupportsMambaPrefixCaching`, so
 Not on by default.  It could be: vLLM settles `enable_prefix_caching` in `EngineArgs.
 _set_default_chunked_prefill_and_prefix_caching_args`, after the plugins load and while an unset
 flag is still None (so a wrap of it could tell the default from an explicit
-`--no-enable-prefix-caching`).  On an H200 it works and pays on a shared 2,048-token prefix with
-`--block-size 256` (93 % of prompt tokens hit, p50 TTFT 0.33-0.72x of caching off; BENCHMARKS.md run
-S14).  It stays off because what it costs traffic without shared prefixes is unmeasured: 'align'
-mode holds two state pages per running sequence instead of one, it needs the V1 model runner
-(below; V2 is the faster decode), and vLLM's default block of 16 tokens rarely hits (the README's
-"Granularity").  `vllm serve EXPORT --enable-prefix-caching --block-size 256` turns it on.
+`--no-enable-prefix-caching`).  It pays on a shared 2,048-token prefix with `--block-size 256` (90-93 %
+of prompt tokens hit, p50 TTFT 0.33-0.84x of caching off; BENCHMARKS.md runs S14, S17).  It stays off
+because what it costs traffic without shared prefixes is unmeasured: 'align' mode holds two state
+pages per running sequence instead of one, and vLLM's default block of 16 tokens rarely hits (the
+README's "Granularity").  `vllm serve EXPORT --enable-prefix-caching --block-size 256` turns it on.
 
-vLLM 0.26's V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`) copies states between blocks only for
-hybrid models (`MambaHybridModelState`); an attention-free model gets `DefaultModelState`, whose
-`preprocess_state` does nothing, so a cache hit would start from a stale page.  The hook refuses
-that combination (the V1 runner, vLLM's default for attention-free models, does the copies).
+On vLLM 0.26's Model Runner V2 (`VLLM_USE_V2_MODEL_RUNNER=1`) the state copies between blocks are
+done by the per-model state class, and 0.26 gives them only to hybrid models
+(`MambaHybridModelState`); an attention-free model would get `DefaultModelState`, which copies
+nothing.  The model names vLLM's Mamba state class itself in 'align' mode
+(`LaplaceForCausalLM.get_model_state_cls`, which V2 asks first; 0.32 picks that class for
+attention-free models anyway), so caching works on both runners.
 """
 from vllm.model_executor.models.config import MambaModelConfig
 
@@ -58,7 +59,7 @@ class PrefixCacheError(ValueError):
     """A prefix-caching setting this model cannot serve; the message names the flag to change."""
 
 
-def choose_mamba_cache_mode(enable_prefix_caching: bool, mode: str, v2_runner: bool) -> str:
+def choose_mamba_cache_mode(enable_prefix_caching: bool, mode: str) -> str:
     """The mamba cache mode to use ('none' or 'align'), or PrefixCacheError for a setting that would
     serve wrong states."""
     if not enable_prefix_caching:
@@ -67,11 +68,6 @@ def choose_mamba_cache_mode(enable_prefix_caching: bool, mode: str, v2_runner: b
         raise PrefixCacheError(
             "--mamba-cache-mode all: Laplace's LINEAR state backend keeps states only at chunk ends; "
             "use --mamba-cache-mode align (the default with --enable-prefix-caching)")
-    if v2_runner:
-        raise PrefixCacheError(
-            "--enable-prefix-caching with VLLM_USE_V2_MODEL_RUNNER=1: vLLM's V2 runner does not copy "
-            "an attention-free model's state between blocks; unset VLLM_USE_V2_MODEL_RUNNER (or set it "
-            "to 0) or drop --enable-prefix-caching")
     return "align"
 
 
@@ -81,9 +77,8 @@ class LaplaceMambaConfig(MambaModelConfig):
     @classmethod
     def verify_and_update_config(cls, vllm_config) -> None:
         cache = vllm_config.cache_config
-        v2_runner = bool(getattr(vllm_config, "use_v2_model_runner", False))
         cache.mamba_cache_mode = choose_mamba_cache_mode(bool(cache.enable_prefix_caching),
-                                                         cache.mamba_cache_mode, v2_runner)
+                                                         cache.mamba_cache_mode)
         super().verify_and_update_config(vllm_config)
 
 

@@ -419,6 +419,18 @@ class LaplaceForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsMamb
         from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
         return (get_temporal_copy_spec, get_temporal_copy_spec)
 
+    def get_model_state_cls(self):
+        """The per-model state class of vLLM's Model Runner V2 (which asks the model first).  With
+        prefix caching ('align' mode): vLLM's Mamba state class, whose fused pre-copy moves each
+        request's state page into the block a step writes, on the GPU (vLLM 0.26 gives an
+        attention-free model `DefaultModelState` otherwise, which copies nothing, so a cache hit
+        would start from a stale page).  Without caching: `DefaultModelState`, 0.26's choice."""
+        if self.vllm_config.cache_config.mamba_cache_mode == "align":
+            from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
+            return MambaHybridModelState
+        from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+        return DefaultModelState
+
     # --- model API
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.backbone.embed(input_ids)

@@ -99,14 +99,9 @@ def _watchdog(server: Server, budget: Budget) -> threading.Event:
 
 
 def server_env(plan: ServerPlan, ctx: Context) -> dict:
-    """The model's environment; a Laplace server with an explicit caching mode runs on Model Runner V1:
-    the plugin refuses V2 with prefix caching on (0.26's V2 runner copies no state between blocks of
-    an attention-free model), and its caching-off twin runs on V1 too, so the pair differs by caching
-    alone."""
-    env = dict(ctx.envs[plan.model])
-    if plan.model == "laplace" and plan.mode in ("on", "off") and "VLLM_USE_V2_MODEL_RUNNER" in env:
-        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-    return env
+    """The model's environment (a copy: the plans share `ctx.envs`); every server runs on the model
+    runner it was given (Model Runner V2 on CUDA, caching on or off)."""
+    return dict(ctx.envs[plan.model])
 
 
 def start_server(plan: ServerPlan, ctx: Context, budget: Budget) -> tuple[Server, dict]:

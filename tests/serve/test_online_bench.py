@@ -86,19 +86,19 @@ def test_plan():
         workloads.parse_rates("4,0")
 
 
-def test_laplace_caching_servers_run_on_model_runner_v1(tmp_path):
-    """The plugin refuses prefix caching on vLLM's V2 runner: a Laplace server with caching on (and its
-    caching-off twin, for a like-for-like pair) gets VLLM_USE_V2_MODEL_RUNNER=0; the default-mode
-    Laplace server and the peer keep the environment they were given."""
+def test_every_server_keeps_the_runner_it_was_given(tmp_path):
+    """Laplace servers with caching on or off, the default-mode one and the peer all run on the model
+    runner of their environment (V2 on CUDA: the model gives V2 the state class that copies states
+    between blocks), each from its own copy of it."""
     envs = {m: {"VLLM_USE_V2_MODEL_RUNNER": "1", "X": "y"} for m in ("laplace", "llama")}
     ctx = runner.Context(out=tmp_path, tokenizer=tmp_path, dtype="bfloat16", max_len=4096, max_seqs=8,
                          cuda=True, envs=envs, think_s=0.0)
     plan = lambda model, mode: runner.ServerPlan(model, mode, tmp_path, [], [])
-    v2 = {(m, mode): runner.server_env(plan(m, mode), ctx)["VLLM_USE_V2_MODEL_RUNNER"]
-          for m, mode in (("laplace", "on"), ("laplace", "off"), ("laplace", "default"), ("llama", "default"))}
-    assert v2 == {("laplace", "on"): "0", ("laplace", "off"): "0", ("laplace", "default"): "1",
-                  ("llama", "default"): "1"}
-    assert envs["laplace"]["VLLM_USE_V2_MODEL_RUNNER"] == "1"          # the shared dict is not changed
+    got = {(m, mode): runner.server_env(plan(m, mode), ctx)
+           for m, mode in (("laplace", "on"), ("laplace", "off"), ("laplace", "default"), ("llama", "default"))}
+    assert all(env == {"VLLM_USE_V2_MODEL_RUNNER": "1", "X": "y"} for env in got.values()), got
+    got[("laplace", "on")]["X"] = "changed"
+    assert envs["laplace"]["X"] == "y"                                  # the shared dict is not changed
     cpu = runner.Context(out=tmp_path, tokenizer=tmp_path, dtype="float32", max_len=4096, max_seqs=8,
                          cuda=False, envs={"laplace": {"X": "y"}}, think_s=0.0)
     assert "VLLM_USE_V2_MODEL_RUNNER" not in runner.server_env(plan("laplace", "on"), cpu)

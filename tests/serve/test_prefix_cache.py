@@ -53,16 +53,14 @@ def _requests():
 
 
 def test_mode_choice():
-    """'align' whenever caching is on; vLLM 0.26's 'all' (states only at chunk ends here) and its V2
-    runner (no state copies between blocks for an attention-free model) refused with the fix."""
+    """'align' whenever caching is on; vLLM 0.26's 'all' (states only at chunk ends here) refused with
+    the fix."""
     from export.prefix_cache import PrefixCacheError, choose_mamba_cache_mode
-    assert choose_mamba_cache_mode(True, "none", False) == "align"
-    assert choose_mamba_cache_mode(True, "align", False) == "align"
-    assert choose_mamba_cache_mode(False, "none", True) == "none"
+    assert choose_mamba_cache_mode(True, "none") == "align"
+    assert choose_mamba_cache_mode(True, "align") == "align"
+    assert choose_mamba_cache_mode(False, "none") == "none"
     with pytest.raises(PrefixCacheError, match="use --mamba-cache-mode align"):
-        choose_mamba_cache_mode(True, "all", False)
-    with pytest.raises(PrefixCacheError, match="unset VLLM_USE_V2_MODEL_RUNNER"):
-        choose_mamba_cache_mode(True, "none", True)
+        choose_mamba_cache_mode(True, "all")
 
 
 def test_vllm_config_resolves_align_mode(setup):
@@ -75,6 +73,29 @@ def test_vllm_config_resolves_align_mode(setup):
     assert (on.cache_config.mamba_cache_mode, on.cache_config.mamba_block_size) == ("align", BLOCK)
     off = EngineArgs(model=str(folder), dtype="float32", max_model_len=1024).create_engine_config()
     assert off.cache_config.enable_prefix_caching is False and off.cache_config.mamba_cache_mode == "none"
+
+
+def test_v2_runner_gets_the_state_class_that_copies_between_blocks(setup):
+    """Model Runner V2 asks the model for its per-model state class (vLLM's resolver, run here with
+    the engine configs vLLM resolves): with caching on, vLLM's Mamba state class, whose step pre-copy
+    moves the state into the block the step writes; with caching off, the default class."""
+    import types
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker.gpu.model_states import resolve_model_state_cls
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+    from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
+
+    from export.vllm_model import LaplaceForCausalLM
+    _, _, folder = setup
+    got = {}
+    for caching in (True, False):
+        cfg = EngineArgs(model=str(folder), dtype="float32", max_model_len=1024, enable_prefix_caching=caching,
+                         block_size=BLOCK).create_engine_config()
+        model = types.SimpleNamespace(vllm_config=cfg)
+        model.get_model_state_cls = types.MethodType(LaplaceForCausalLM.get_model_state_cls, model)
+        got[caching] = resolve_model_state_cls(cfg, model)
+    assert got == {True: MambaHybridModelState, False: DefaultModelState}
 
 
 def _run(folder, requests, caching, *extra):
