@@ -171,8 +171,9 @@ def child(a) -> dict:
         rows.append(row)
     mixed = [mixed_row(llm, a, length, clock, gpu, cuda) for length in a.lengths] if a.decodes else []
     agree = agreement_run(llm, a)
-    res = {"rows": rows, "mixed_rows": mixed, "agreement": agree, "device": torch.cuda.get_device_name() if cuda else "cpu",
-           "engine": kw, "replay": os.environ.get("LAPLACE_VLLM_REPLAY", "1")}
+    res = {"rows": rows, "mixed_rows": mixed, "agreement": agree,
+           "device": torch.cuda.get_device_name() if cuda else "cpu", "engine": kw,
+           "replay": os.environ.get("LAPLACE_VLLM_REPLAY", "1")}
     if laplace and res["replay"] != "0":
         # the same engine with the tape off (launch_tape reads the switch at each step)
         os.environ["LAPLACE_VLLM_REPLAY"] = "0"

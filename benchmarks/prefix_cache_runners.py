@@ -1,7 +1,8 @@
 """Prefix caching on both of vLLM's GPU model runners: the same requests through V1 with caching,
 V2 with caching and V2 without (`benchmarks/prefix_cache_check.py`, one engine each, eager unless --cuda-graphs).
 
-    python benchmarks/prefix_cache_runners.py --model DIR [--block-size 32] [--dtype float32] [--out FILE] [--cuda-graphs]
+    python benchmarks/prefix_cache_runners.py --model DIR [--block-size 32] [--dtype float32] [--out FILE]
+        [--cuda-graphs]
 
 The requests share prefixes at and off block boundaries and resend a conversation (`requests`).
 Checked: greedy tokens identical in all three; V2's cached tokens per request equal V1's (the same
@@ -37,7 +38,8 @@ def requests(block: int, seed: int = 3) -> list:
 def one(model: str, name: str, v2: str, caching: str, a) -> dict:
     cmd = [sys.executable, str(HERE / "prefix_cache_check.py"), "--model", model, "--caching", caching,
            "--requests", json.dumps(requests(a.block_size)), "--block-size", str(a.block_size),
-           "--dtype", a.dtype, "--max-tokens", "8", "--max-model-len", str(a.max_model_len)] + (["--cuda-graphs"] if a.cuda_graphs else [])
+           "--dtype", a.dtype, "--max-tokens", "8", "--max-model-len", str(a.max_model_len)]
+    cmd += ["--cuda-graphs"] if a.cuda_graphs else []
     p = subprocess.run(cmd, env={**os.environ, "VLLM_USE_V2_MODEL_RUNNER": v2}, capture_output=True, text=True)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("PREFIX_CACHE_RESULT ")]
     if p.returncode != 0 or not lines:
@@ -66,7 +68,8 @@ def main(argv=None) -> int:
     if ok:
         ref = got["v2-off"]
         summary["tokens_equal"] = all(r["outputs"] == ref["outputs"] for r in got.values())
-        summary["cached_v1"], summary["cached_v2"] = got["v1-on"]["num_cached_tokens"], got["v2-on"]["num_cached_tokens"]
+        summary["cached_v1"] = got["v1-on"]["num_cached_tokens"]
+        summary["cached_v2"] = got["v2-on"]["num_cached_tokens"]
         summary["cached_equal"] = summary["cached_v1"] == summary["cached_v2"]
         summary["hits"] = sum(summary["cached_v2"])
         summary["max_abs_dlogprob_vs_v2_off"] = {

@@ -19,7 +19,8 @@ from laplace_jax.config import load_config
 @pytest.mark.slow
 def test_smoke_rows_host_split_and_agreement(tmp_path):
     r = subprocess.run([sys.executable, str(BENCHMARKS / "prefill_host.py"), "--smoke", "--out", str(tmp_path),
-                        "--reps", "2", "--decodes", "3"], cwd=ROOT, env=cpu_vllm_env(), capture_output=True, text=True, timeout=900)
+                        "--reps", "2", "--decodes", "3"],
+                       cwd=ROOT, env=cpu_vllm_env(), capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((tmp_path / "prefill_host.json").read_text())["models"]["laplace"]
     layers = load_config("laplace_tiny").model.num_layers
