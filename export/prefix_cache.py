@@ -1,5 +1,5 @@
-"""vLLM prefix caching of Laplace's fixed state: the config hook that picks vLLM's 'align' mode, and
-the state-metadata backend for it.
+"""vLLM prefix caching of Laplace's fixed state: the mode the config hook (export/config_hook.py)
+picks, vLLM's 'align' mode, and the state-metadata backend for it.
 
 vLLM caches a recurrent model's state per *block* of `block_size` tokens (the model class opts in
 with `SupportsMambaPrefixCaching` and `get_mamba_state_copy_func`; export/vllm_model.py).  vLLM
@@ -32,7 +32,7 @@ replayed graph does not follow.  Bailing's builder is vLLM's own path for linear
 'align' prefix caching (its hybrid model), so that one is used, and only then: without caching the
 mixer keeps the LINEAR backend.
 
-vLLM 0.26 picks 'all' for a model that declares `SupportsMambaPrefixCaching`, so the hook below sets
+vLLM 0.26 picks 'all' for a model that declares `SupportsMambaPrefixCaching`, so the hook sets
 'align' first (and refuses an explicit 'all'); vLLM's own `MambaModelConfig` then does the rest
 (`mamba_block_size = block_size`, the chunked-prefill check).
 
@@ -52,9 +52,6 @@ nothing.  The model names vLLM's Mamba state class itself in 'align' mode
 (`LaplaceForCausalLM.get_model_state_cls`, which V2 asks first; 0.32 picks that class for
 attention-free models anyway), so caching works on both runners.
 """
-from vllm.model_executor.models.config import MambaModelConfig
-
-
 class PrefixCacheError(ValueError):
     """A prefix-caching setting this model cannot serve; the message names the flag to change."""
 
@@ -69,17 +66,6 @@ def choose_mamba_cache_mode(enable_prefix_caching: bool, mode: str) -> str:
             "--mamba-cache-mode all: Laplace's LINEAR state backend keeps states only at chunk ends; "
             "use --mamba-cache-mode align (the default with --enable-prefix-caching)")
     return "align"
-
-
-class LaplaceMambaConfig(MambaModelConfig):
-    """vLLM's per-architecture config hook (`MODELS_CONFIG_MAP["LaplaceForCausalLM"]`)."""
-
-    @classmethod
-    def verify_and_update_config(cls, vllm_config) -> None:
-        cache = vllm_config.cache_config
-        cache.mamba_cache_mode = choose_mamba_cache_mode(bool(cache.enable_prefix_caching),
-                                                         cache.mamba_cache_mode)
-        super().verify_and_update_config(vllm_config)
 
 
 def state_backend(mamba_cache_mode: str):

@@ -28,11 +28,11 @@ def register() -> None:
     if ARCH not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCH, "export.vllm_model:LaplaceForCausalLM")
 
-    # vLLM's own hook for attention-free state models (mamba_block_size etc.), with prefix caching
-    # held to the 'align' mode (export/prefix_cache.py)
+    # vLLM's own hook for attention-free state models (mamba_block_size etc.), with the model runner
+    # and the prefix-caching mode chosen first (export/config_hook.py)
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
-    from export.prefix_cache import LaplaceMambaConfig
+    from export.config_hook import LaplaceMambaConfig
     MODELS_CONFIG_MAP.setdefault(ARCH, LaplaceMambaConfig)
 
     # Piecewise CUDA graphs must split at the stateful mixer (its control flow depends on the batch),

@@ -173,6 +173,7 @@ def drive(plan: ServerPlan, ctx: Context, budget: Budget, deadline: float) -> tu
     finally:
         done.set()
         rec["jit_lines"] = srv.jit_lines()
+        rec["runner"] = srv.model_runner()
         srv.stop()
         rec["total_s"] = round(time.time() - srv.t_start, 1)
         log(f"{plan.name}: stopped; {rec['jit_lines']} 'JIT compilation during inference' lines in its log")

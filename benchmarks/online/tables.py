@@ -140,9 +140,9 @@ def markdown(rows: list[dict], servers: list[dict], header: str) -> tuple[str, d
             parts.append(caching_table(rows, w))
     slo_text, slo = slo_lines(rows, lap) if any(r["workload"] == "sweep" for r in rows) else ("", {})
     parts.append(slo_text)
-    parts.append("| server | start s | status | JIT lines in its log |\n|---|---|---|---|\n" + "\n".join(
-        f"| {s['name']} | {_num(s.get('start_s'), '.1f')} | {s['status'][:200]} | {s.get('jit_lines', 'n/a')} |"
-        for s in servers) + "\n")
+    parts.append("| server | model runner | start s | status | JIT lines in its log |\n|---|---|---|---|---|\n"
+                 + "\n".join(f"| {s['name']} | {s.get('runner', 'n/a')} | {_num(s.get('start_s'), '.1f')} | "
+                             f"{s['status'][:200]} | {s.get('jit_lines', 'n/a')} |" for s in servers) + "\n")
     left = [r for r in rows if failed(r) and not r.get("warmup") or r.get("warmup") and "skipped" in r]
     if left:
         parts.append("Not in the tables: " + ", ".join(
