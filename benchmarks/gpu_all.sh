@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_all.sh pair OUT [serve_bench args]  # 1,280 x 2,048 x 256: Laplace and the Llama peer
 #   bash benchmarks/gpu_all.sh online OUT --workloads sweep  # online serving (online_bench.py; <= 590 s a call)
 #   bash benchmarks/gpu_all.sh trainer OUT [ARGS] # the user's 3B command as shipped (+ ARGS), host RSS over its run
+#   bash benchmarks/gpu_all.sh mixed OUT   # a prompt arriving beside 12 decoding requests: Laplace and the peer
 # Wheels the GPU image lacks (fla-core, einops) are installed from .whl/ when present. Each part
 # runs under its own time limit so one hang cannot eat the whole call; logs land in OUT.
 set -uo pipefail
@@ -71,6 +72,13 @@ online)
     timeout 590 python3 benchmarks/online_bench.py --out "$out/online" --pack --model-dir /dev/shm/lap \
         --peer-dir /dev/shm/peer "${@:3}" > "$out/online.log" 2>&1
     tail -c 9000 "$out/online.log" ;;
+mixed)
+    # the step a new request's TTFT and the running ones' ITL spikes wait on (prefill_host --decodes;
+    # BENCHMARKS.md run S17 a): 256- and 2,048-token prompts beside 12 decodes, Laplace then the peer
+    vllm_env
+    timeout 540 python3 benchmarks/prefill_host.py --out "$out/mixed" --model-dir /dev/shm/lap \
+        --peer-dir /dev/shm/peer --lengths 256,2048 --decodes 12 > "$out/mixed.log" 2>&1
+    grep -a "tokens" "$out/mixed.log" | tail -8 | cut -c1-400 ;;
 trainer)
     # `python -m laplace_jax.train --config laplace_3b` as a user types it (3 steps on the demo corpus
     # carried in .e2e/data, no XLA flags), under rss_timeline (host RSS per phase, issue 34 item 4).
@@ -84,7 +92,7 @@ trainer)
     CUDA_VISIBLE_DEVICES=0 trainer 240 "$first" "${@:3}"
     m=$(grep -o "use train.micro_batch=[0-9]*" "$out/train_$first.log" | head -1 | cut -d= -f2)
     [ -n "$m" ] && CUDA_VISIBLE_DEVICES=0 trainer 300 "mb$m" "${@:3}" train.micro_batch="$m" ;;
-*) echo "usage: $0 gla|ops|kernels|train|serve|profile|pair|online|trainer OUT" >&2; exit 2 ;;
+*) echo "usage: $0 gla|ops|kernels|train|serve|profile|pair|online|trainer|mixed OUT" >&2; exit 2 ;;
 esac
 rm -f "$out"/*/bench.md
 grep -h "^\[bench\]\|^\[micro\]" "$out"/*.log 2>/dev/null | cut -c1-260
