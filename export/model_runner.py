@@ -8,7 +8,9 @@ BENCHMARKS.md run S11); prefix caching works on it too (run S17 c). So the model
 variable, where vLLM would give V2 to another model: a CUDA platform with Triton, no feature that V2
 lacks (`_get_v2_model_runner_unsupported_features`), and no choice made by the user (a set variable
 is theirs, 0 included). The hook runs first in `VllmConfig.__post_init__`, before anything reads the
-runner, in the front-end process; the engine processes it starts inherit the variable.
+runner, in the front-end process; the engine processes it starts inherit the variable. It stays set
+in that process: another engine started later in the same Python process, for another model, runs on
+V2 too, as if the user had set it.
 """
 import logging
 import os
