@@ -70,8 +70,22 @@ def _ms_stats(values: list[float], name: str) -> dict:
             f"mean_{name}_ms": pick(np.mean)}
 
 
+HELD_OVER_MEDIAN = 2.0     # a gap over 2x the run's median inter-token gap: a step that held more
+
+
+def held_gaps(gaps: list[float]) -> list[float]:
+    """The inter-token gaps (seconds) of running requests over HELD_OVER_MEDIAN x their median: the
+    steps that also held another turn's prefill (a decode-only step is the median; BENCHMARKS.md run
+    S17 a, where these were 20-23 ms for Laplace against 9.7 for the peer)."""
+    if not gaps:
+        return []
+    cut = HELD_OVER_MEDIAN * float(np.median(gaps))
+    return [g for g in gaps if g > cut]
+
+
 def summarize(turns: list[dict], run: Run, duration: float) -> dict:
-    """The run's result in `vllm bench serve`'s keys (requests = turns), plus first/later-turn TTFT."""
+    """The run's result in `vllm bench serve`'s keys (requests = turns), plus first/later-turn TTFT and
+    the gaps of steps that held a prefill beside the running turns (`held_gaps`)."""
     ok = [t for t in turns if t["error"] is None]
     tpot = [(t["e2el"] - t["ttft"]) / (run.out_len - 1) for t in ok if run.out_len > 1]
     res = {"completed": len(ok), "num_prompts": run.prompts * run.turns, "failed": len(turns) - len(ok),
@@ -85,6 +99,9 @@ def summarize(turns: list[dict], run: Run, duration: float) -> dict:
     res.update(_ms_stats([t["e2el"] for t in ok], "e2el"))
     res.update(_ms_stats([t["ttft"] for t in ok if t["turn"] == 0], "ttft_first_turn"))
     res.update(_ms_stats([t["ttft"] for t in ok if t["turn"] > 0], "ttft_later_turns"))
+    held = held_gaps([g for t in ok for g in t["itl"]])
+    res.update(_ms_stats(held, "itl_held"))
+    res["itl_held_count"] = len(held)
     return res
 
 

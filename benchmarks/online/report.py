@@ -14,7 +14,8 @@ from online.workloads import Run
 METRICS = ("ttft", "tpot", "itl", "e2el")
 KEYS = ("request_throughput", "output_throughput", "duration") + tuple(
     f"{s}_{m}_ms" for m in METRICS for s in ("median", "p99", "mean"))
-MT_KEYS = tuple(f"{s}_ttft_{t}_ms" for t in ("first_turn", "later_turns") for s in ("median", "p99"))
+MT_KEYS = tuple(f"{s}_ttft_{t}_ms" for t in ("first_turn", "later_turns") for s in ("median", "p99")) + (
+    "median_itl_held_ms", "itl_held_count")
 SLO_TTFT_MS, SLO_TPOT_MS = 1000.0, 50.0     # issue 32: p99 TTFT <= 1 s and p99 TPOT <= 50 ms
 HELD_FRACTION = 0.9                          # without a rate-inf row: achieved >= 0.9 x offered
 

@@ -85,8 +85,8 @@ def _caching_cells(at: dict, key: str, on: Optional[str], off: Optional[str], mu
 
     rates = [hit_rate(r) if r else None for r in at.values()]
     hits = " / ".join("n/a" if h is None else f"{h:.0%}" for h in rates)
-    return [each("median_ttft_ms"), each("p99_ttft_ms")] + ([each(key)] if multiturn else []) + \
-        [ratio(on, off), ratio(on, PEER), hits]
+    return [each("median_ttft_ms"), each("p99_ttft_ms")] + ([each(key), each("median_itl_held_ms")] if multiturn
+                                                              else []) + [ratio(on, off), ratio(on, PEER), hits]
 
 
 def caching_table(rows: list[dict], workload: str) -> str:
@@ -98,10 +98,11 @@ def caching_table(rows: list[dict], workload: str) -> str:
     off = next((s for s in servers if s.endswith("cache-off")), None)
     mt = workload == "multiturn"
     key = "median_ttft_later_turns_ms" if mt else "median_ttft_ms"
-    head = "| shape | rate | TTFT p50 | TTFT p99 | " + ("later turns TTFT p50 | " if mt else "") + \
+    head = "| shape | rate | TTFT p50 | TTFT p99 | " + ("later turns TTFT p50 | held-step gap p50 | " if mt else "") + \
         "p50 on/off | p50 on/Llama | hits |"
     lines = [f"{workload}: each cell {' / '.join(servers + [PEER])}; ms; hits = prefix-cache hit tokens / queried "
-             "tokens", "", head, "|---" * (8 if mt else 7) + "|"]
+             "tokens" + ("; held-step gap: a running turn's inter-token gap over 2x the median (a step that also "
+                          "held a prefill)" if mt else ""), "", head, "|---" * (9 if mt else 7) + "|"]
     for shape, x in dict.fromkeys((r["shape"], rate_of(r)) for rs in series.values() for r in rs):
         at = {s: next((r for r in rs if r["shape"] == shape and rate_of(r) == x), None) for s, rs in series.items()}
         lines.append(f"| {shape} | {rate_text(x)} | " + " | ".join(_caching_cells(at, key, on, off, mt)) + " |")

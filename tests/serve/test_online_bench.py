@@ -86,6 +86,23 @@ def test_plan():
         workloads.parse_rates("4,0")
 
 
+def test_multiturn_summary_counts_the_steps_that_held_a_prefill():
+    """The gaps over twice the median inter-token gap are the steps that also held another turn's
+    prefill: counted, and their median reported beside the usual TTFT/ITL figures."""
+    from online import multiturn
+
+    run = workloads.Run("multiturn", 2.0, 2, in_len=1024, out_len=4, seed=0, turns=2, user_len=128)
+    turn = lambda i, gaps, ttft: {"turn": i, "prompt_len": 1024, "error": None, "ttft": ttft, "itl": gaps,
+                                  "e2el": ttft + sum(gaps)}
+    turns = [turn(0, [0.003, 0.003, 0.021], 0.030), turn(1, [0.003, 0.023, 0.003], 0.040),
+             turn(0, [0.0031, 0.0029, 0.003], 0.025), turn(1, [0.003, 0.003, 0.003], 0.035)]
+    res = multiturn.summarize(turns, run, duration=2.0)
+    assert res["itl_held_count"] == 2 and res["median_itl_held_ms"] == pytest.approx(22.0)
+    assert res["median_ttft_later_turns_ms"] == pytest.approx(37.5) and res["completed"] == 4
+    calm = multiturn.summarize([turn(0, [0.003, 0.0031, 0.0029], 0.02)], run, duration=1.0)
+    assert calm["itl_held_count"] == 0 and math.isnan(calm["median_itl_held_ms"])
+
+
 def test_every_server_keeps_the_runner_it_was_given(tmp_path):
     """Laplace servers with caching on or off, the default-mode one and the peer all run on the model
     runner of their environment (V2 on CUDA: the model gives V2 the state class that copies states
