@@ -148,20 +148,14 @@ def child(a) -> dict:
         prompts = make_prompts(a.reps + 2, length, seed=11)
         walls, splits, gpu_ms = [], [], []
         for i, p in enumerate(prompts):
-            clock.reset()
-            if gpu is not None:
-                gpu.take_ms()
-            t0 = time.perf_counter()
-            llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)
-            if cuda:
-                torch.cuda.synchronize()
-            wall = time.perf_counter() - t0
+            wall, _, split, g = _timed(lambda: llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False),
+                                       clock, gpu, cuda)
             if i < 2:
                 continue                                   # warm-ups
-            walls.append(1e3 * wall)
-            splits.append({k: 1e3 * v for k, v in clock.s.items()})
-            if gpu is not None:
-                gpu_ms.append(gpu.take_ms())
+            walls.append(wall)
+            splits.append(split)
+            if g is not None:
+                gpu_ms.append(g)
         med = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
         row = {"model": a.child, "prompt_len": length, "wall_ms": statistics.median(walls),
                "wall_ms_all": [round(w, 2) for w in walls],
@@ -185,15 +179,16 @@ def child(a) -> dict:
     return res
 
 
-def _step_timed(engine, clock: Clock, gpu, cuda: bool) -> tuple[float, list, dict, float | None]:
-    """One `engine.step()`: its wall ms, its outputs, its host split (ms) and its GPU ms."""
+def _timed(call, clock: Clock, gpu, cuda: bool) -> tuple[float, object, dict, float | None]:
+    """`call()` (a generate, an engine step): its wall ms, its result, its host split (ms, the
+    instrumented functions it ran) and its GPU ms (None off CUDA)."""
     import torch
 
     clock.reset()
     if gpu is not None:
         gpu.take_ms()
     t0 = time.perf_counter()
-    outs = engine.step()
+    outs = call()
     if cuda:
         torch.cuda.synchronize()
     wall = 1e3 * (time.perf_counter() - t0)
@@ -218,16 +213,16 @@ def mixed_row(llm, a, length: int, clock: Clock, gpu, cuda: bool) -> dict:
     for rid, p in zip(bg, make_prompts(a.decodes, bg_len, seed=31)):
         engine.add_request(rid, {"prompt_token_ids": p}, bg_sp)
     for _ in range(per_rep):                      # their prefill, then decoding
-        _step_timed(engine, clock, gpu, cuda)
+        _timed(engine.step, clock, gpu, cuda)
     ttfts, steps, walls, decode_walls, splits, gpu_ms = [], [], [], [], [], []
     for i, p in enumerate(make_prompts(a.reps + 2, length, seed=41)):
-        dw = [_step_timed(engine, clock, gpu, cuda)[0] for _ in range(per_rep)]
+        dw = [_timed(engine.step, clock, gpu, cuda)[0] for _ in range(per_rep)]
         rid = f"new{length}-{i}"
         t0 = time.perf_counter()
         engine.add_request(rid, {"prompt_token_ids": p}, one)
         n, sw, split, g, done = 0, [], {}, 0.0, False
         while not done:
-            wall, outs, s, gm = _step_timed(engine, clock, gpu, cuda)
+            wall, outs, s, gm = _timed(engine.step, clock, gpu, cuda)
             n, sw = n + 1, sw + [wall]
             for k, v in s.items():
                 split[k] = split.get(k, 0.0) + v
