@@ -25,6 +25,13 @@ import os
 from vllm_check import _first_mixer, exit_skipping_teardown, json_arg, stop_engine   # benchmarks/
 
 COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")
+RESULT = "PREFIX_CACHE_RESULT "
+
+
+def result_of(stdout: str):
+    """The result a run of this script printed (its last `PREFIX_CACHE_RESULT` line), else None."""
+    lines = [ln for ln in stdout.splitlines() if ln.startswith(RESULT)]
+    return json.loads(lines[-1][len(RESULT):]) if lines else None
 
 
 def resolve(request, prompts: list, outputs: list) -> list:
@@ -95,7 +102,7 @@ def main(argv=None) -> int:
     res = run(a.model, json_arg(a.requests), caching=a.caching == "on", block_size=a.block_size,
               max_tokens=a.max_tokens, dtype=a.dtype, max_model_len=a.max_model_len,
               chat=json_arg(a.chat) if a.chat else None, cuda_graphs=a.cuda_graphs)
-    print("PREFIX_CACHE_RESULT " + json.dumps(res))
+    print(RESULT + json.dumps(res))
     return 0
 
 

@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from prefix_cache_check import result_of  # noqa: E402  (benchmarks/, as the scripts run)
 RUNS = (("v1-on", "0", "on"), ("v2-on", "1", "on"), ("v2-off", "1", "off"))
 
 
@@ -41,11 +43,10 @@ def one(model: str, name: str, v2: str, caching: str, a) -> dict:
            "--dtype", a.dtype, "--max-tokens", "8", "--max-model-len", str(a.max_model_len)]
     cmd += ["--cuda-graphs"] if a.cuda_graphs else []
     p = subprocess.run(cmd, env={**os.environ, "VLLM_USE_V2_MODEL_RUNNER": v2}, capture_output=True, text=True)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("PREFIX_CACHE_RESULT ")]
-    if p.returncode != 0 or not lines:
+    res = result_of(p.stdout)
+    if p.returncode != 0 or res is None:
         print(f"{name}: rc={p.returncode}\n{p.stderr[-4000:]}", flush=True)
         return {"failed": p.returncode}
-    res = json.loads(lines[-1].split(" ", 1)[1])
     print(f"{name}: cached {res['num_cached_tokens']}, counters {res['counters']}, cache {res['cache']}", flush=True)
     return res
 
@@ -59,7 +60,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--cuda-graphs", action="store_true", help="vLLM's CUDA graphs on (default: eager)")
     a = ap.parse_args(argv)
-    sys.path.insert(0, str(HERE))
     from serve_bench.engine import ensure_plugin_entry_point
     print(ensure_plugin_entry_point(Path(tempfile.mkdtemp(prefix="prefix_runners_"))), flush=True)
     got = {name: one(a.model, name, v2, caching, a) for name, v2, caching in RUNS}

