@@ -424,10 +424,12 @@ class LaplaceForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsMamb
         prefix caching ('align' mode): vLLM's Mamba state class, whose fused pre-copy moves each
         request's state page into the block a step writes, on the GPU (vLLM 0.26 gives an
         attention-free model `DefaultModelState` otherwise, which copies nothing, so a cache hit
-        would start from a stale page).  Without caching: `DefaultModelState`, 0.26's choice."""
+        would start from a stale page); export/align_state.py's subclass of it, which also compiles
+        the copy kernels for every batch size at start-up.  Without caching: `DefaultModelState`,
+        0.26's choice."""
         if self.vllm_config.cache_config.mamba_cache_mode == "align":
-            from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
-            return MambaHybridModelState
+            from export.align_state import LaplaceAlignModelState
+            return LaplaceAlignModelState
         from vllm.v1.worker.gpu.model_states.default import DefaultModelState
         return DefaultModelState
 

@@ -28,10 +28,9 @@ batch_memcpy_kernel` at its first hit; 0.32 warms it itself, in mamba_triton_war
 `warm_state_copy` launches it once, copying slot 0's pages onto themselves (a no-op), with fresh
 argument tensors of the dtypes of vLLM's `MambaCopyBuffers`: its key holds those dtypes and the
 tensors' 16-byte alignment (`batch_memcpy` fixes BLOCK_SIZE), not the addresses or the count.
-On Model Runner V2 the copies are instead vLLM's fused pre-copy kernels (`MambaHybridModelState.
-preprocess_state`, which the model asks for in 'align' mode), launched at every step, so by vLLM's
-code they compile in V2's own start-up warm-up, a real mixed prefill+decode step; not yet checked
-against a server log (BENCHMARKS.md run S17 c ran offline).
+On Model Runner V2 the copies are instead vLLM's fused pre-copy and post-step kernels
+(`MambaHybridModelState`, which the model asks for in 'align' mode); V2's start-up warm-up compiles
+them for one batch size only, and export/align_state.py compiles the others.
 
 When: `LaplaceVllmMixer.kv_cache`'s setter calls `on_bind` when vLLM binds the layer's state pool
 (after the memory profile, before graph capture and before the JIT monitor starts, on every model
