@@ -19,9 +19,8 @@ multiturn workloads run on Laplace
 once per `--laplace-caching` mode (default off, then on; the first Laplace server also runs every other
 workload), on the peer with vLLM's defaults (prefix caching on).
 
-Servers use --max-num-seqs 256 and capture decode CUDA graphs for batches up to 256 (fewer graphs to
-capture than the ~2-minute starts with 1,024 in ../shared/notes/online-serving.md; by Little's law
-40 req/s of 2,048/256 at ~5 s a request keep ~200 requests in flight, rate inf sends 256 at once);
+Servers use --max-num-seqs 256 (by Little's law 40 req/s of 2,048/256 at ~5 s a request keep ~200
+requests in flight; rate inf sends 256 at once) and vLLM's default CUDA-graph sizes (to 512 tokens),
 --max-model-len 8,448 (8,192 + 256).
 On CUDA both models run on vLLM's Model Runner V2 (0.26 picks it for Llama by itself, the plugin asks for
 it for Laplace: export/model_runner.py; the servers table says which runner each log names), with
@@ -68,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rate-seconds", type=float, default=None, help="seconds of arrivals per finite rate")
     ap.add_argument("--min-prompts", type=int, default=None)
     ap.add_argument("--inf-prompts", type=int, default=None, help="requests sent at t = 0 for rate inf")
-    ap.add_argument("--max-num-seqs", type=int, default=None, help="the servers' --max-num-seqs and capture size")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="the servers' --max-num-seqs")
     ap.add_argument("--num-warmups", type=int, default=0,
                     help="vLLM's --num-warmups per run (default 0: each shape gets its own warm-up run instead)")
     ap.add_argument("--laplace-caching", default=None,
@@ -76,6 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "prefix or multiturn, else default)")
     ap.add_argument("--laplace-args", default="", help="extra server arguments for Laplace (one string)")
     ap.add_argument("--peer-args", default="", help="extra server arguments for the Llama peer")
+    ap.add_argument("--no-peer", action="store_true",
+                    help="Laplace's servers only (a check of Laplace alone: no side-by-side figures)")
     ap.add_argument("--work", default=None, help="where the model folders are built and reused")
     ap.add_argument("--model-dir", default=None, help="the Laplace folder (built there, or reused): overrides --work")
     ap.add_argument("--peer-dir", default=None, help="the Llama folder (built there, or reused): overrides --work")
@@ -208,7 +209,7 @@ def run(a: argparse.Namespace, names: list[str], s: Sizes, modes: list[str]) -> 
     runner.log(f"folders: {folders}")
     runs = workloads.plan(names, s)
     plans = runner.server_plans(runs, {k: Path(folders[k]) for k in ("laplace", "llama")}, modes,
-                                shlex.split(a.laplace_args), shlex.split(a.peer_args))
+                                shlex.split(a.laplace_args), shlex.split(a.peer_args), peer=not a.no_peer)
     ctx = runner.Context(out=out, tokenizer=Path(folders["llama"]), dtype=a.dtype, max_len=s.max_model_len,
                          max_seqs=s.max_num_seqs, cuda=cuda, envs=server_envs(cuda, scratch),
                          think_s=s.multiturn_think_s, num_warmups=a.num_warmups,
@@ -229,11 +230,12 @@ def run(a: argparse.Namespace, names: list[str], s: Sizes, modes: list[str]) -> 
     return rc
 
 
-def dry_run(names: list[str], s: Sizes, modes: list[str], smoke: bool, start_s: float = 110.0) -> str:
+def dry_run(names: list[str], s: Sizes, modes: list[str], smoke: bool, start_s: float = 110.0,
+            peer: bool = True) -> str:
     """The call's servers and runs with workloads.estimate_s's durations (GPU guesses) and a total that
     counts `start_s` per server start and 10 s per stop."""
     plans = runner.server_plans(workloads.plan(names, s), {"laplace": Path("LAPLACE"), "llama": Path("LLAMA")},
-                                modes, [], [])
+                                modes, [], [], peer)
     lines, total = [], 0.0
     for p in plans:
         est = [workloads.estimate_s(r) for r in p.runs]
@@ -264,7 +266,7 @@ def main(argv=None) -> int:
         print(f"online_bench: {e}", file=sys.stderr)
         return 2
     if a.dry_run:
-        print(dry_run(names, s, modes, a.smoke))
+        print(dry_run(names, s, modes, a.smoke, peer=not a.no_peer))
         return 0
     if a.build_folders:
         print(FOLDERS_LINE + json.dumps(build_folders(a, s)), flush=True)

@@ -57,15 +57,17 @@ class Context:
 
 
 def server_plans(runs: list[Run], folders: dict, laplace_modes: list[str], laplace_args: list[str],
-                 peer_args: list[str]) -> list[ServerPlan]:
+                 peer_args: list[str], peer: bool = True) -> list[ServerPlan]:
     """Laplace once per mode in `laplace_modes` (the first also runs the workloads that are not about
-    caching; the rest only the caching ones), then the Llama peer with every run and its defaults."""
+    caching; the rest only the caching ones), then (`peer`) the Llama peer with every run and its
+    defaults."""
     plans = []
     for i, mode in enumerate(laplace_modes):
         mine = [r for r in runs if i == 0 or r.workload in CACHING_WORKLOADS]
         if mine:
             plans.append(ServerPlan("laplace", mode, folders["laplace"], CACHING_FLAGS[mode] + laplace_args, mine))
-    plans.append(ServerPlan("llama", "default", folders["llama"], list(peer_args), list(runs)))
+    if peer:
+        plans.append(ServerPlan("llama", "default", folders["llama"], list(peer_args), list(runs)))
     return plans
 
 

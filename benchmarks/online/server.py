@@ -3,7 +3,6 @@ with its stdout/stderr in a log file, wait until /health answers, read /metrics,
 whole process group (an engine-core process that outlived the server would keep the GPU memory the
 next server needs)."""
 import contextlib
-import json
 import os
 import re
 import signal
@@ -36,13 +35,15 @@ def free_port() -> int:
 
 def server_cmd(folder: Path, port: int, dtype: str, max_len: int, max_seqs: int, cuda: bool,
                extra: list[str]) -> list[str]:
-    """The server's command line.  On CUDA, decode CUDA graphs are captured up to `max_seqs` (vLLM's
-    default stops at 512; fewer sizes start faster); on CPU, eager (no torch.compile)."""
+    """The server's command line.  On CUDA, vLLM's own CUDA-graph sizes (up to min(2 x max_seqs, 512)
+    tokens, as a user gets them: a step that holds a short prefill beside the decodes runs in the
+    graphs too); on CPU, eager (no torch.compile).  `--jit-monitor-verbose`: vLLM's JIT monitor
+    logs every compile while serving, not only each kernel's first (JIT_LINE counts them)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
            "--served-model-name", SERVED_NAME, "--dtype", dtype, "--max-model-len", str(max_len),
-           "--max-num-seqs", str(max_seqs), "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
-    cmd += ["--compilation-config", json.dumps({"max_cudagraph_capture_size": max_seqs})] if cuda \
-        else ["--enforce-eager"]
+           "--max-num-seqs", str(max_seqs), "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
+           "--jit-monitor-verbose"]
+    cmd += [] if cuda else ["--enforce-eager"]
     return cmd + list(extra)
 
 

@@ -121,6 +121,22 @@ def test_every_server_keeps_the_runner_it_was_given(tmp_path):
     assert "VLLM_USE_V2_MODEL_RUNNER" not in runner.server_env(plan("laplace", "on"), cpu)
 
 
+def test_servers_as_a_user_starts_them_and_logging_every_compile(tmp_path):
+    """The server command: vLLM's own CUDA-graph sizes on CUDA (no capture setting of ours), eager on
+    CPU; `--jit-monitor-verbose` on both, so a kernel compiled twice while serving is counted twice.
+    `--no-peer` (peer=False) drops the Llama server and only it."""
+    cuda = server.server_cmd(tmp_path, 8000, "bfloat16", 4096, 256, True, ["--block-size", "256"])
+    cpu = server.server_cmd(tmp_path, 8000, "float32", 4096, 8, False, [])
+    assert "--compilation-config" not in cuda and "--enforce-eager" not in cuda
+    assert cpu[-1] == "--enforce-eager" and cuda[-2:] == ["--block-size", "256"]
+    assert all(c.count("--jit-monitor-verbose") == 1 for c in (cuda, cpu))
+    runs = workloads.plan(["prefix"], workloads.Sizes())
+    folders = {"laplace": tmp_path, "llama": tmp_path}
+    both = runner.server_plans(runs, folders, ["off", "on"], [], [])
+    alone = runner.server_plans(runs, folders, ["off", "on"], [], [], peer=False)
+    assert [p.name for p in both] == [p.name for p in alone] + ["llama"] and "llama" not in [p.model for p in alone]
+
+
 def test_bad_workload_exits_2():
     p = subprocess.run([sys.executable, str(BENCHMARKS / "online_bench.py"), "--out", "/nonexistent/x",
                         "--workloads", "sweep,chat"], capture_output=True, text=True, cwd=ROOT)
