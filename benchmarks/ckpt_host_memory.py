@@ -4,8 +4,9 @@
         [--workdir W] [--out FILE.json] [key=value ...]
 
 For each variant of the checkpoint manager (`before`: orbax's defaults, as before issue 34;
-`after`: `checkpoint.make_manager`, i.e. train.ckpt_io_gb in flight and pageable host copies;
-`after-pinned`: the same with pinned host copies), in fresh processes:
+`after`: `checkpoint.make_manager`, i.e. train.ckpt_io_gb in flight, pageable host copies and the
+arrays written raw (train.ckpt_compress=false); `after-zstd`: the same with orbax's zstd;
+`after-pinned`: with pinned host copies), in fresh processes:
 
 - save: sets up the real run (`train.open_run`: program, data, state) of the config, fills its state
   with random values (`filled`: bytes that compress like a trained state's), then saves it `--saves`
@@ -40,7 +41,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = {"before": dict(io=0, pinned=None), "after": dict(pinned=False), "after-pinned": dict(pinned=None)}
+VARIANTS = {"before": dict(io=0, pinned=None, compress=True), "after": dict(pinned=False),
+            "after-zstd": dict(pinned=False, compress=True), "after-pinned": dict(pinned=None)}
 
 
 def _status_kib(field: str) -> int:
@@ -87,7 +89,7 @@ def _config(a: argparse.Namespace):
 
 def _manager(a: argparse.Namespace, cfg):
     from laplace_jax import checkpoint as ckpt
-    choice = {"io": ckpt.io_bytes(cfg), **VARIANTS[a.variant]}
+    choice = {"io": ckpt.io_bytes(cfg), "compress": cfg.train.ckpt_compress, **VARIANTS[a.variant]}
     return ckpt.manager_for(a.run_dir, keep=cfg.train.keep_ckpts, async_save=cfg.train.async_ckpt, **choice)
 
 
@@ -153,9 +155,11 @@ def restore_phase(a: argparse.Namespace) -> dict[str, Any]:
             "restore_s": t_restore}
 
 
-def synthetic(run_dir: str, *, io: int, leaves: int, leaf_bytes: int, saves: int = 2) -> dict[str, Any]:
+def synthetic(run_dir: str, *, io: int, leaves: int, leaf_bytes: int, saves: int = 2,
+              compress: bool = False) -> dict[str, Any]:
     """Peak extra RSS (bytes) of `saves` saves of a synthetic state, then of its restore, through
-    `checkpoint.manager_for(io=...)` (io=0: the manager of before issue 34): `leaves` random float32
+    `checkpoint.manager_for(io=..., compress=...)` (io=0: the manager of before issue 34, with zstd
+    whatever `compress` says): `leaves` random float32
     arrays of `leaf_bytes` in each of the two items (params, train), placed as the trainer places
     them (NamedSharding on a one-device mesh), new arrays for each save. The test of issue 34's bound
     runs it with malloc returning freed memory at once, so that RSS follows what is live."""
@@ -177,7 +181,8 @@ def synthetic(run_dir: str, *, io: int, leaves: int, leaf_bytes: int, saves: int
                 {"opt": {f"m{i}": x for i, x in enumerate(arrays[leaves:])}, "step": np.zeros((), np.int32)})
 
     data_iter = iter(grain.MapDataset.range(8).to_iter_dataset())
-    mngr = ckpt.manager_for(run_dir, keep=2, async_save=True, io=io, pinned=None if io == 0 else False)
+    mngr = ckpt.manager_for(run_dir, keep=2, async_save=True, io=io, pinned=None if io == 0 else False,
+                            compress=compress or io == 0)
     out: dict[str, Any] = {"state_bytes": 2 * leaves * leaf_bytes, "save_extra": [], "save_s": []}
     for step in range(1, saves + 1):
         params, train = state(step)
@@ -223,7 +228,7 @@ def main() -> None:
     ap.add_argument("--variants", default="before,after", help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--workdir", default=None, help="where the run dirs go (default: a temporary folder)")
     ap.add_argument("--out", default=None, help="also write the phases' JSON objects to this file")
-    ap.add_argument("--synthetic", metavar="IO,LEAVES,LEAF_BYTES", default=None,
+    ap.add_argument("--synthetic", metavar="IO,LEAVES,LEAF_BYTES[,zstd]", default=None,
                     help="print `synthetic`'s figures as JSON (io=0: orbax's defaults) and stop")
     ap.add_argument("--phase", choices=("save", "restore"), help=argparse.SUPPRESS)
     ap.add_argument("--variant", choices=tuple(VARIANTS), help=argparse.SUPPRESS)
@@ -231,9 +236,11 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="config overrides, key=value")
     a = ap.parse_args()
     if a.synthetic:
-        io, leaves, leaf_bytes = (int(v) for v in a.synthetic.split(","))
+        fields = a.synthetic.split(",")
+        io, leaves, leaf_bytes = (int(v) for v in fields[:3])
         with tempfile.TemporaryDirectory(dir=a.workdir) as tmp:
-            print(json.dumps(synthetic(str(Path(tmp) / "run"), io=io, leaves=leaves, leaf_bytes=leaf_bytes)))
+            print(json.dumps(synthetic(str(Path(tmp) / "run"), io=io, leaves=leaves, leaf_bytes=leaf_bytes,
+                                       compress=fields[3:] == ["zstd"])))
         return
     if a.phase:   # a child: one phase of one variant, one JSON line
         print(json.dumps((save_phase if a.phase == "save" else restore_phase)(a)))

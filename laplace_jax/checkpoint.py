@@ -57,6 +57,11 @@ def available_steps(run_dir: str | Path) -> list[int]:
 # into host memory at once (restore_concurrent_gb=96). Now each item (params, train) holds at most
 # `io_bytes` of arrays in flight when writing or reading, and the copy is ordinary (pageable) host
 # memory, dropped with the arrays it copied once they are written. The files are the same.
+# (4) orbax's zstd (`use_compression`, its default) made tensorstore hold each array's encoded bytes
+# while writing it, beside the copy it writes from: a synthetic state of two items with 400 MB
+# arrays, 3.2 GB in all (benchmarks/ckpt_host_memory.py, CPU) took 0.25 S of extra RSS a save and
+# 14-20 s with zstd, 0.004 S and 7-11 s without, for files 8 % larger (float32 noise). So the arrays
+# are written raw unless train.ckpt_compress; a restore reads either, as the files record their codec.
 
 
 def io_bytes(cfg: Config) -> int:
@@ -70,27 +75,29 @@ def io_bytes(cfg: Config) -> int:
     return max(int(cfg.train.ckpt_io_gb * 1e9), largest + (1 << 20))   # a MiB over: GB are floats
 
 
-def _array_handler(io: int, pinned: bool | None) -> ocp.PyTreeCheckpointHandler:
+def _array_handler(io: int, pinned: bool | None, compress: bool) -> ocp.PyTreeCheckpointHandler:
     gb = None if io <= 0 else io / 1e9   # orbax counts in GB (of 1e9 bytes); None: its default, 96
     return ocp.PyTreeCheckpointHandler(save_concurrent_gb=gb, restore_concurrent_gb=gb,
-                                       enable_pinned_host_transfer=pinned)
+                                       enable_pinned_host_transfer=pinned, use_compression=compress)
 
 
 def make_manager(run_dir: str | Path, cfg: Config) -> ocp.CheckpointManager:
-    """The run's checkpoint manager: cfg.train's keep_ckpts, async_ckpt and `io_bytes`."""
-    return manager_for(run_dir, keep=cfg.train.keep_ckpts, async_save=cfg.train.async_ckpt, io=io_bytes(cfg))
+    """The run's checkpoint manager: cfg.train's keep_ckpts, async_ckpt, ckpt_compress and `io_bytes`."""
+    return manager_for(run_dir, keep=cfg.train.keep_ckpts, async_save=cfg.train.async_ckpt, io=io_bytes(cfg),
+                       compress=cfg.train.ckpt_compress)
 
 
 def manager_for(run_dir: str | Path, *, keep: int, async_save: bool, io: int,
-                pinned: bool | None = False) -> ocp.CheckpointManager:
+                pinned: bool | None = False, compress: bool = False) -> ocp.CheckpointManager:
     """`make_manager` with its host-memory choices given: `io` bytes in flight per item (0: orbax's
-    default, 96 GB), `pinned` host copies (None: orbax's default, pinned on a GPU). With io=0 and
-    pinned=None it is the manager of before issue 34; benchmarks/ckpt_host_memory.py compares them."""
+    default, 96 GB), `pinned` host copies (None: orbax's default, pinned on a GPU), `compress` (zstd,
+    orbax's default). With io=0, pinned=None and compress=True it is the manager of before issue 34;
+    benchmarks/ckpt_host_memory.py compares them."""
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                            enable_async_checkpointing=async_save)
     return ocp.CheckpointManager(checkpoint_dir(run_dir), options=options,
-                                 item_handlers={"params": _array_handler(io, pinned),
-                                                "train": _array_handler(io, pinned),
+                                 item_handlers={"params": _array_handler(io, pinned, compress),
+                                                "train": _array_handler(io, pinned, compress),
                                                 "data": grain.checkpoint.CheckpointHandler(),
                                                 "meta": ocp.JsonCheckpointHandler()})
 

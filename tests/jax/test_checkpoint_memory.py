@@ -1,9 +1,10 @@
 """Host memory of a checkpoint save and restore (issue 34 item 4): the trainer's manager holds at most
 `io` bytes of array data in flight per item, where orbax's defaults held the encoded bytes of every
 array at once (0.56-0.99 S beyond the state below on the old manager; the bound is 0.27 S, the new
-one measures 0.05-0.10 S), and `io_bytes` never goes below what orbax must hold of one array. One
-subprocess (about 10 s): the measurement needs a fresh process, with malloc returning freed memory
-at once so that the RSS follows what is live."""
+one measures 0.05-0.10 S with zstd), and `io_bytes` never goes below what orbax must hold of one
+array; the arrays are written raw by default (train.ckpt_compress), which holds none of them.  Each
+measurement is a subprocess (about 10 s): it needs a fresh process, with malloc returning freed
+memory at once so that the RSS follows what is live."""
 import json
 import subprocess
 import sys
@@ -37,6 +38,53 @@ def test_save_and_restore_hold_io_bytes_in_flight_not_the_state(tmp_path):
     bound = 2 * 2 * IO + FIXED
     assert max(got["save_extra"]) <= bound, (got, bound)
     assert got["restore_extra"] <= bound, (got, bound)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="peak RSS is reset through Linux's /proc")
+def test_raw_arrays_are_written_without_a_buffered_copy(tmp_path):
+    """The shipped setting (train.ckpt_compress=false) writes the arrays raw: tensorstore writes from
+    the arrays themselves, so a save holds no piece's bytes beyond its fixed costs; with zstd it holds
+    each piece's encoding (the bound of the test above)."""
+    env = cli_env(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    got = {}
+    for codec in ("", ",zstd"):
+        cmd = [sys.executable, str(BENCHMARKS / "ckpt_host_memory.py"), "--workdir", str(tmp_path),
+               "--synthetic", f"{IO},{LEAVES},{LEAF}{codec}"]
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        got[codec] = json.loads(p.stdout.strip().splitlines()[-1])
+    assert max(got[""]["save_extra"]) <= FIXED, got
+    assert max(got[",zstd"]["save_extra"]) <= 2 * 2 * IO + FIXED, got
+
+
+def test_checkpoints_of_either_codec_restore_bit_exactly(tmp_path):
+    """A checkpoint written with zstd (every run before train.ckpt_compress, or with it on) resumes
+    under the raw manager and the reverse, to the same bits (the files record their codec); the zstd
+    files are the smaller, so the setting reaches the files."""
+    import grain
+    import jax
+    import numpy as np
+
+    cfg = load_config("laplace_tiny")
+    params = {"w": jax.random.normal(jax.random.PRNGKey(0), (64, 1024))}
+    train = {"m": jax.random.normal(jax.random.PRNGKey(1), (256, 512)), "step": np.int32(7)}
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                                           sharding=getattr(x, "sharding", None)), (params, train))
+    sizes = {}
+    for writer, reader in ((True, False), (False, True)):
+        run = tmp_path / f"zstd_{writer}"
+        data_iter = iter(grain.MapDataset.range(8).to_iter_dataset())
+        w = ckpt.manager_for(run, keep=1, async_save=False, io=IO, compress=writer)
+        ckpt.save(w, 3, params, train, data_iter, cfg)
+        w.close()
+        sizes[writer] = sum(f.stat().st_size for f in (run / "checkpoints" / "3").rglob("*") if f.is_file())
+        r = ckpt.manager_for(run, keep=1, async_save=False, io=IO, compress=reader)
+        got = ckpt.restore(r, run, 3, *abstract, data_iter)
+        r.close()
+        bits = lambda x: np.atleast_1d(np.asarray(x)).view(np.uint8)
+        want = jax.tree.leaves((params, train))
+        assert all(np.array_equal(bits(a), bits(b)) for a, b in zip(jax.tree.leaves(got), want))
+    assert sizes[True] < sizes[False], sizes
 
 
 def test_io_bytes_covers_the_largest_array_and_the_setting():
