@@ -131,6 +131,27 @@ def import_interpreted(*modules: str) -> list:
         return [importlib.import_module(m) for m in modules]
 
 
+def interpreted_vllm_module(name: str):
+    """A fresh execution of vLLM's module `name` whose `@triton.jit` is triton's, for the CPU
+    interpreter: on a CPU install vLLM's `vllm.triton_utils` holds placeholders and leaves its
+    kernels undecorated.  The installed module itself is left as it is."""
+    import importlib.util
+
+    import triton
+    import vllm.triton_utils as vtu
+
+    spec = importlib.util.find_spec(name)
+    module = importlib.util.module_from_spec(spec)
+    saved = vtu.triton, vtu.tl
+    vtu.triton, vtu.tl = triton, triton.language
+    try:
+        with triton_interpreting():
+            spec.loader.exec_module(module)
+    finally:
+        vtu.triton, vtu.tl = saved
+    return module
+
+
 def interpreter_fixture(*kernels):
     """An autouse fixture for a module of Triton kernel tests: checks that `kernels` (and triton's own
     library) were decorated for the CPU interpreter (imported through `import_interpreted`), and sets

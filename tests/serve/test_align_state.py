@@ -9,12 +9,11 @@ backend, so vLLM left its kernels undecorated; vllm/v1/worker/mamba_utils.py and
 module are executed afresh here with triton under TRITON_INTERPRET=1, and their kernels (vLLM's code,
 interpreted) replace the placeholders.  Every launch is recorded and run.  The block tables are plain
 tensors: vLLM's `BlockTables` pins host memory, which needs CUDA."""
-import importlib.util
 from types import SimpleNamespace
 
 import pytest
 
-from conftest import interpreter_fixture, need, triton_interpreting
+from conftest import interpreted_vllm_module, interpreter_fixture, need
 
 torch = need("torch")
 need("vllm")
@@ -27,25 +26,8 @@ KERNELS = {"mamba_utils": ("preprocess_mamba_align_fused_kernel", "precopy_mamba
            "mamba_hybrid": ("_scatter_num_accepted_kernel",)}
 
 
-def _interpreted(module_name: str):
-    """A fresh execution of one of vLLM's modules whose `@triton.jit` is triton's, interpreted."""
-    import triton
-    import vllm.triton_utils as vtu
-
-    spec = importlib.util.find_spec(module_name)
-    module = importlib.util.module_from_spec(spec)
-    saved = vtu.triton, vtu.tl
-    vtu.triton, vtu.tl = triton, triton.language
-    try:
-        with triton_interpreting():
-            spec.loader.exec_module(module)
-    finally:
-        vtu.triton, vtu.tl = saved
-    return module
-
-
-INTERPRETED = {"mamba_utils": _interpreted("vllm.v1.worker.mamba_utils"),
-               "mamba_hybrid": _interpreted("vllm.v1.worker.gpu.model_states.mamba_hybrid")}
+INTERPRETED = {"mamba_utils": interpreted_vllm_module("vllm.v1.worker.mamba_utils"),
+               "mamba_hybrid": interpreted_vllm_module("vllm.v1.worker.gpu.model_states.mamba_hybrid")}
 interpret = interpreter_fixture(*(getattr(INTERPRETED[m], k) for m, ks in KERNELS.items() for k in ks))
 
 

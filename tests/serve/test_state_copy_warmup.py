@@ -9,11 +9,9 @@ its kernels undecorated; its mamba_utils.py is executed afresh here with triton 
 TRITON_INTERPRET=1, and that module's `batch_memcpy_kernel` (vLLM's code, interpreted) stands in
 for the plain function, as vLLM's CPU platform swaps in its C++ copy.  Every launch is recorded
 (for `launch_keys.triton_key`) and run."""
-import importlib.util
-
 import pytest
 
-from conftest import import_interpreted, interpreter_fixture, need, triton_interpreting
+from conftest import import_interpreted, interpreted_vllm_module, interpreter_fixture, need
 
 torch = need("torch")
 need("vllm")
@@ -26,25 +24,7 @@ ARCH = dict(num_heads=2, d_k=8, d_v=18, d_model=36, qkvg_dim=2 * (16 + 36), deca
 BLOCKS, BLOCK_SIZE = 8, 32
 
 
-def _interpreted_mamba_utils():
-    """A fresh execution of vLLM's vllm/v1/worker/mamba_utils.py whose `@triton.jit` is triton's,
-    under TRITON_INTERPRET=1 (vLLM's `vllm.triton_utils` holds placeholders on this install)."""
-    import triton
-    import vllm.triton_utils as vtu
-
-    spec = importlib.util.find_spec("vllm.v1.worker.mamba_utils")
-    module = importlib.util.module_from_spec(spec)
-    saved = vtu.triton, vtu.tl
-    vtu.triton, vtu.tl = triton, triton.language
-    try:
-        with triton_interpreting():
-            spec.loader.exec_module(module)
-    finally:
-        vtu.triton, vtu.tl = saved
-    return module
-
-
-KERNEL = _interpreted_mamba_utils().batch_memcpy_kernel
+KERNEL = interpreted_vllm_module("vllm.v1.worker.mamba_utils").batch_memcpy_kernel
 interpret = interpreter_fixture(KERNEL)
 
 
