@@ -74,10 +74,11 @@ online)
     tail -c 9000 "$out/online.log" ;;
 mixed)
     # the step a new request's TTFT and the running ones' ITL spikes wait on (prefill_host --decodes;
-    # BENCHMARKS.md run S17 a): 256- and 2,048-token prompts beside 12 decodes, Laplace then the peer
+    # BENCHMARKS.md runs S17 a, S18 d): 256- and 2,048-token prompts beside 12 decodes, Laplace then the
+    # peer; arguments after OUT go to prefill_host, e.g. --capture 256 (S18's graphs) or --cached-prefix 2048
     vllm_env
     timeout 540 python3 benchmarks/prefill_host.py --out "$out/mixed" --model-dir /dev/shm/lap \
-        --peer-dir /dev/shm/peer --lengths 256,2048 --decodes 12 > "$out/mixed.log" 2>&1
+        --peer-dir /dev/shm/peer --lengths 256,2048 --decodes 12 "${@:3}" > "$out/mixed.log" 2>&1
     grep -a "tokens" "$out/mixed.log" | tail -8 | cut -c1-400 ;;
 trainer)
     # `python -m laplace_jax.train --config laplace_3b` as a user types it (3 steps on the demo corpus

@@ -1,13 +1,13 @@
 """Where a lone prompt's prefill step spends its wall time on the host: Laplace beside the Llama peer.
 
     python benchmarks/prefill_host.py --out DIR --model-dir /dev/shm/lap [--peer-dir /dev/shm/peer]
-        [--replay-ab] [--lengths 512,2048,8192] [--reps 5] [--max-num-seqs 256] [--capture 256]
-        [--decodes N]
+        [--replay-ab] [--lengths 512,2048,8192] [--reps 5] [--max-num-seqs 256] [--capture N]
+        [--decodes N [--cached-prefix N [--block-size 256]]]
     python benchmarks/prefill_host.py --smoke --out DIR      # CPU: the tiny config's random weights, float32
 
 Each model runs in a child process with vLLM's engine in that process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
-configured as `online_bench` configures its servers (--max-num-seqs, decode CUDA graphs captured up to
---capture, Model Runner V2, the same random-weight folders).  For each prompt length, one request alone
+configured as `online_bench` configures its servers (--max-num-seqs, vLLM's own CUDA-graph sizes unless
+--capture sets the largest, Model Runner V2, the same random-weight folders).  For each prompt length, one request alone
 is generated with max_tokens=1 (its prefill step and first token, the offline part of a TTFT) --reps
 times after two warm-ups.  Host clocks (time.perf_counter around the calls, no profiler) split the wall
 time: the model's forward (its Python and kernel launches; the GPU runs behind it), and for Laplace the
@@ -21,7 +21,10 @@ time from adding the prompt to its first token, the walls of the steps that took
 its prefill beside the N decode rows), the host split and GPU time of those steps, and the median
 decode-only step of the same N requests before it (what a running request's ITL is between
 arrivals).  Under traffic this is the step a new request's TTFT and the running ones' ITL spikes
-wait on (BENCHMARKS.md run S17).
+wait on (BENCHMARKS.md run S17).  With --cached-prefix P both engines run with prefix caching on
+(--block-size B, default 256; Laplace in vLLM's 'align' mode) and each arriving prompt is one shared
+P-token prefix, put in the cache by a request of its own first, followed by its own tokens: the step
+of a cache hit beside the decodes (issue 33), with each arrival's cached tokens as vLLM reports them.
 
 Then a few prompts of mixed lengths sent together, greedy, 8 tokens with their logprobs; for Laplace
 again in the same engine with LAPLACE_VLLM_REPLAY=0 (the tape off): tokens must be equal (the exit
@@ -130,9 +133,13 @@ def child(a) -> dict:
     work = Path(a.out) / "entry"
     ensure_plugin_entry_point(work)
     kw = dict(model=a.folder, dtype=a.dtype, max_num_seqs=a.max_num_seqs, max_model_len=a.max_len,
-              enable_prefix_caching=False, seed=0, enforce_eager=a.smoke)
+              enable_prefix_caching=a.cached_prefix > 0, seed=0, enforce_eager=a.smoke)
+    if a.cached_prefix:
+        kw["block_size"] = a.block_size
     if cuda:
-        kw.update(gpu_memory_utilization=0.85, compilation_config={"max_cudagraph_capture_size": a.capture})
+        kw["gpu_memory_utilization"] = 0.85
+        if a.capture:
+            kw["compilation_config"] = {"max_cudagraph_capture_size": a.capture}
     if laplace:
         from export import vllm_model
         model_cls = vllm_model.LaplaceForCausalLM
@@ -209,25 +216,31 @@ def mixed_row(llm, a, length: int, clock: Clock, gpu, cuda: bool) -> dict:
     assert bg_len + bg_tokens <= a.max_len, (bg_len, bg_tokens, a.max_len)
     bg_sp = SamplingParams(temperature=0.0, max_tokens=bg_tokens, ignore_eos=True, detokenize=False)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+    prefix = make_prompts(1, a.cached_prefix, seed=51)[0] if a.cached_prefix else []
+    if prefix:                                    # the shared prefix into the cache, by a request of its own
+        engine.add_request(f"prime{length}", {"prompt_token_ids": prefix + make_prompts(1, 16, seed=52)[0]}, one)
+        while engine.has_unfinished_requests():
+            engine.step()
     bg = [f"bg{length}-{i}" for i in range(a.decodes)]
     for rid, p in zip(bg, make_prompts(a.decodes, bg_len, seed=31)):
         engine.add_request(rid, {"prompt_token_ids": p}, bg_sp)
     for _ in range(per_rep):                      # their prefill, then decoding
         _timed(engine.step, clock, gpu, cuda)
-    ttfts, steps, walls, decode_walls, splits, gpu_ms = [], [], [], [], [], []
+    ttfts, steps, walls, decode_walls, splits, gpu_ms, cached = [], [], [], [], [], [], []
     for i, p in enumerate(make_prompts(a.reps + 2, length, seed=41)):
+        p = prefix + p
         dw = [_timed(engine.step, clock, gpu, cuda)[0] for _ in range(per_rep)]
         rid = f"new{length}-{i}"
         t0 = time.perf_counter()
         engine.add_request(rid, {"prompt_token_ids": p}, one)
-        n, sw, split, g, done = 0, [], {}, 0.0, False
-        while not done:
+        n, sw, split, g, first = 0, [], {}, 0.0, None
+        while first is None:
             wall, outs, s, gm = _timed(engine.step, clock, gpu, cuda)
             n, sw = n + 1, sw + [wall]
             for k, v in s.items():
                 split[k] = split.get(k, 0.0) + v
             g += gm or 0.0
-            done = any(o.request_id == rid and o.outputs and o.outputs[0].token_ids for o in outs)
+            first = next((o for o in outs if o.request_id == rid and o.outputs and o.outputs[0].token_ids), None)
             if n > 64:
                 raise RuntimeError(f"{rid}: no first token after 64 steps")
         ttft = 1e3 * (time.perf_counter() - t0)
@@ -239,10 +252,12 @@ def mixed_row(llm, a, length: int, clock: Clock, gpu, cuda: bool) -> dict:
         decode_walls.extend(dw)
         splits.append(split)
         gpu_ms.append(g)
+        cached.append(first.num_cached_tokens)
     engine.abort_request(bg)
     while engine.has_unfinished_requests():
         engine.step()
-    row = {"model": a.child, "prompt_len": length, "decodes": a.decodes,
+    row = {"model": a.child, "prompt_len": length, "decodes": a.decodes, "cached_prefix": a.cached_prefix,
+           "cached_tokens": cached,
            "ttft_ms": statistics.median(ttfts), "ttft_ms_all": [round(t, 2) for t in ttfts],
            "steps": steps, "step_walls_ms": [[round(w, 2) for w in sw] for sw in walls],
            "decode_step_ms": statistics.median(decode_walls),
@@ -297,14 +312,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--decodes", type=int, default=0,
                     help="also measure each length arriving while this many requests decode (0: not)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--capture", type=int, default=256, help="max_cudagraph_capture_size")
+    ap.add_argument("--capture", type=int, default=None,
+                    help="max_cudagraph_capture_size (default: vLLM's own, as online_bench's servers)")
+    ap.add_argument("--cached-prefix", type=int, default=0,
+                    help="with --decodes: prefix caching on, each arrival after this many shared prefix tokens")
+    ap.add_argument("--block-size", type=int, default=256, help="the engines' block size with --cached-prefix")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--folder", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.lengths = [int(x) for x in (a.lengths or ("32,64" if a.smoke else "512,2048,8192")).split(",")]
     a.dtype = a.dtype or ("float32" if a.smoke else "bfloat16")
-    a.max_len = max(a.lengths) + 64
+    a.max_len = max(a.lengths) + a.cached_prefix + 64
     return a
 
 
@@ -328,8 +347,9 @@ def main(argv=None) -> int:
     for name, folder, replay in models:
         cmd = [sys.executable, __file__, "--out", str(out), "--child", name, "--folder", folder,
                "--lengths", ",".join(map(str, a.lengths)), "--reps", str(a.reps), "--dtype", a.dtype,
-               "--max-num-seqs", str(a.max_num_seqs), "--capture", str(a.capture),
-               "--decodes", str(a.decodes)] + (["--smoke"] if a.smoke else [])
+               "--max-num-seqs", str(a.max_num_seqs), "--decodes", str(a.decodes),
+               "--cached-prefix", str(a.cached_prefix), "--block-size", str(a.block_size)] \
+            + (["--capture", str(a.capture)] if a.capture else []) + (["--smoke"] if a.smoke else [])
         rc = subprocess.call(cmd, env={**os.environ, "LAPLACE_VLLM_REPLAY": replay})
         path = out / f"prefill_host_{name}.json"
         if rc != 0 or not path.exists():
@@ -352,7 +372,10 @@ def main(argv=None) -> int:
                   f"{r['forward_gpu_ms'] if r['forward_gpu_ms'] is None else round(r['forward_gpu_ms'], 2)} ms,"
                   f" host {r['host_ms']}")
         for r in res.get("mixed_rows", []):
-            print(f"{name:8s} {r['prompt_len']:6d} tokens beside {r['decodes']} decodes: TTFT {r['ttft_ms']:.2f} ms"
+            after = f" after {r['cached_prefix']} cached-prefix tokens (cached {r['cached_tokens']})" \
+                if r.get("cached_prefix") else ""
+            print(f"{name:8s} {r['prompt_len']:6d} tokens{after} beside {r['decodes']} decodes: "
+                  f"TTFT {r['ttft_ms']:.2f} ms"
                   f" in {r['steps']} steps {r['step_walls_ms']}, decode-only step {r['decode_step_ms']:.2f} ms,"
                   f" GPU {r['gpu_ms']}, host {r['host_ms']}")
     return status

@@ -1,7 +1,7 @@
 """benchmarks/prefill_host.py end to end on CPU (`--smoke`: the tiny config's random weights in
 float32, vLLM CPU, the torch path): the rows it writes, the host split of each prefill step, and the
 greedy agreement batch run twice in one engine; a prompt arriving beside decoding requests
-(`--decodes`).  About 40 s."""
+(`--decodes`), after a shared prefix that prefix caching holds (`--cached-prefix`).  About 60 s."""
 import json
 import subprocess
 import sys
@@ -40,8 +40,25 @@ def test_smoke_rows_host_split_and_agreement(tmp_path):
             assert 0 < sum(walls) <= t + 0.02, row           # both rounded to 0.01 ms
         assert 0 < row["host_ms"]["mixers"] < row["host_ms"]["forward"], row
         assert row["decode_step_ms"] > 0
+    assert res["engine"]["enable_prefix_caching"] is False and "compilation_config" not in res["engine"]
     agree = res["agreement"]
     assert agree["prompt_lens"] == [37, 64]
     assert [len(t) for t in agree["tokens"]] == [8, 8] and all(len(lp) == 8 for lp in agree["logprobs"])
     assert all(lp <= 0 for lps in agree["logprobs"] for lp in lps)
     assert res["replay_vs_live_same_engine"] == {"tokens_equal": True, "max_abs_logprob_diff": 0.0}
+
+
+@pytest.mark.slow
+def test_mixed_rows_after_a_cached_prefix(tmp_path):
+    """--cached-prefix 64 --block-size 32: caching on in the engine, and every arrival's first 64
+    tokens (two whole blocks, put in the cache by the priming request) come from the cache, as vLLM's
+    own count of the request's cached tokens says."""
+    r = subprocess.run([sys.executable, str(BENCHMARKS / "prefill_host.py"), "--smoke", "--out", str(tmp_path),
+                        "--reps", "2", "--decodes", "2", "--lengths", "40", "--cached-prefix", "64",
+                        "--block-size", "32"],
+                       cwd=ROOT, env=cpu_vllm_env(), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "prefill_host.json").read_text())["models"]["laplace"]
+    assert res["engine"]["enable_prefix_caching"] is True and res["engine"]["block_size"] == 32
+    (row,) = res["mixed_rows"]
+    assert row["cached_prefix"] == 64 and row["cached_tokens"] == [64, 64], row
