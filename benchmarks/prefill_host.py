@@ -202,6 +202,16 @@ def _timed(call, clock: Clock, gpu, cuda: bool) -> tuple[float, object, dict, fl
     return wall, outs, {k: 1e3 * v for k, v in clock.s.items()}, (gpu.take_ms() if gpu is not None else None)
 
 
+BG_LEN = 16       # prompt tokens of each decoding request of a mixed row
+PER_REP = 4       # decode steps between arrivals, then the arrival's
+
+
+def background_tokens(reps: int) -> int:
+    """Tokens each decoding request of a mixed row generates: enough that none finishes during the row
+    (its reps + 2 arrivals, each after PER_REP decode steps and taking a few steps itself)."""
+    return PER_REP * (reps + 2) * 4 + 16
+
+
 def mixed_row(llm, a, length: int, clock: Clock, gpu, cuda: bool) -> dict:
     """A `length`-token prompt arriving while a.decodes requests decode (module docstring): --reps
     arrivals after two warm-ups, each stepped until its first token."""
@@ -210,9 +220,7 @@ def mixed_row(llm, a, length: int, clock: Clock, gpu, cuda: bool) -> dict:
     from serve_bench.measures import make_prompts
 
     engine = llm.llm_engine
-    bg_len = 16
-    per_rep = 4                                   # decode steps between arrivals, then the arrival's
-    bg_tokens = per_rep * (a.reps + 2) * 4 + 16   # enough that none finishes during the row
+    bg_len, bg_tokens = BG_LEN, background_tokens(a.reps)
     assert bg_len + bg_tokens <= a.max_len, (bg_len, bg_tokens, a.max_len)
     bg_sp = SamplingParams(temperature=0.0, max_tokens=bg_tokens, ignore_eos=True, detokenize=False)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
@@ -224,12 +232,12 @@ def mixed_row(llm, a, length: int, clock: Clock, gpu, cuda: bool) -> dict:
     bg = [f"bg{length}-{i}" for i in range(a.decodes)]
     for rid, p in zip(bg, make_prompts(a.decodes, bg_len, seed=31)):
         engine.add_request(rid, {"prompt_token_ids": p}, bg_sp)
-    for _ in range(per_rep):                      # their prefill, then decoding
+    for _ in range(PER_REP):                      # their prefill, then decoding
         _timed(engine.step, clock, gpu, cuda)
     ttfts, steps, walls, decode_walls, splits, gpu_ms, cached = [], [], [], [], [], [], []
     for i, p in enumerate(make_prompts(a.reps + 2, length, seed=41)):
         p = prefix + p
-        dw = [_timed(engine.step, clock, gpu, cuda)[0] for _ in range(per_rep)]
+        dw = [_timed(engine.step, clock, gpu, cuda)[0] for _ in range(PER_REP)]
         rid = f"new{length}-{i}"
         t0 = time.perf_counter()
         engine.add_request(rid, {"prompt_token_ids": p}, one)
@@ -323,7 +331,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     a.lengths = [int(x) for x in (a.lengths or ("32,64" if a.smoke else "512,2048,8192")).split(",")]
     a.dtype = a.dtype or ("float32" if a.smoke else "bfloat16")
-    a.max_len = max(a.lengths) + a.cached_prefix + 64
+    # the longest prompt, or a decoding request of a mixed row, and room to generate
+    a.max_len = max(max(a.lengths) + a.cached_prefix, BG_LEN + background_tokens(a.reps)) + 64
     return a
 
 
