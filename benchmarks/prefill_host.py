@@ -220,9 +220,8 @@ def mixed_row(llm, a, length: int, clock: Clock, gpu, cuda: bool) -> dict:
     from serve_bench.measures import make_prompts
 
     engine = llm.llm_engine
-    bg_len, bg_tokens = BG_LEN, background_tokens(a.reps)
-    assert bg_len + bg_tokens <= a.max_len, (bg_len, bg_tokens, a.max_len)
-    bg_sp = SamplingParams(temperature=0.0, max_tokens=bg_tokens, ignore_eos=True, detokenize=False)
+    # parse_args sized max_model_len for these requests (BG_LEN + background_tokens)
+    bg_sp = SamplingParams(temperature=0.0, max_tokens=background_tokens(a.reps), ignore_eos=True, detokenize=False)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     prefix = make_prompts(1, a.cached_prefix, seed=51)[0] if a.cached_prefix else []
     if prefix:                                    # the shared prefix into the cache, by a request of its own
@@ -230,7 +229,7 @@ def mixed_row(llm, a, length: int, clock: Clock, gpu, cuda: bool) -> dict:
         while engine.has_unfinished_requests():
             engine.step()
     bg = [f"bg{length}-{i}" for i in range(a.decodes)]
-    for rid, p in zip(bg, make_prompts(a.decodes, bg_len, seed=31)):
+    for rid, p in zip(bg, make_prompts(a.decodes, BG_LEN, seed=31)):
         engine.add_request(rid, {"prompt_token_ids": p}, bg_sp)
     for _ in range(PER_REP):                      # their prefill, then decoding
         _timed(engine.step, clock, gpu, cuda)

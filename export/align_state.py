@@ -77,6 +77,7 @@ def warm_copy_kernels(state: MambaHybridModelState, input_batch, block_tables, k
     those of the real step that just ran (the scratch tensors take their dtypes and devices)."""
     idx_dtype = input_batch.idx_mapping.dtype
     dev = input_batch.idx_mapping.device
+    computed = torch.zeros_like(num_computed_tokens)
     with _scratch_buffers(state):
         for n in WARM_REQS:
             if n > state.max_num_reqs:
@@ -85,7 +86,6 @@ def warm_copy_kernels(state: MambaHybridModelState, input_batch, block_tables, k
             batch = SimpleNamespace(num_reqs=n, idx_mapping=torch.zeros(n, dtype=idx_dtype, device=dev),
                                     query_start_loc=torch.zeros(n + 1, dtype=input_batch.query_start_loc.dtype,
                                                                 device=dev))
-            computed = torch.zeros_like(num_computed_tokens)
             MambaHybridModelState.preprocess_state(state, batch, block_tables, kv_cache_config, computed)
             # batch row -> request -1: the post-step kernels skip every row
             skip = torch.full((n,), -1, dtype=idx_dtype, device=dev)

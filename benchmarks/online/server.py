@@ -43,8 +43,7 @@ def server_cmd(folder: Path, port: int, dtype: str, max_len: int, max_seqs: int,
            "--served-model-name", SERVED_NAME, "--dtype", dtype, "--max-model-len", str(max_len),
            "--max-num-seqs", str(max_seqs), "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
            "--jit-monitor-verbose"]
-    cmd += [] if cuda else ["--enforce-eager"]
-    return cmd + list(extra)
+    return cmd + ([] if cuda else ["--enforce-eager"]) + list(extra)
 
 
 def _get(url: str, timeout: float = 5.0) -> str:

@@ -23,6 +23,16 @@ IO = 9 * MIB                    # more than one leaf, far less than an item
 FIXED = 32 * MIB                # a save's own costs besides the arrays (metadata, threads): ~10 MiB seen
 
 
+def _synthetic(tmp_path, spec: str) -> dict:
+    """benchmarks/ckpt_host_memory.py --synthetic SPEC in a fresh process (malloc returning freed memory
+    at once); its figures."""
+    env = cli_env(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    cmd = [sys.executable, str(BENCHMARKS / "ckpt_host_memory.py"), "--workdir", str(tmp_path), "--synthetic", spec]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="peak RSS is reset through Linux's /proc")
 def test_save_and_restore_hold_io_bytes_in_flight_not_the_state(tmp_path):
     """Two items are written (and read) at once, each with at most IO bytes of arrays in flight.  Written
@@ -30,12 +40,7 @@ def test_save_and_restore_hold_io_bytes_in_flight_not_the_state(tmp_path):
     save holds nothing beyond its fixed costs (with zstd it held each piece's encoding, up to 2 * 2 *
     IO more).  A read piece costs at most itself plus one copy: a restore's extra RSS is at most
     2 * 2 * IO beyond its fixed costs, a fifth of S."""
-    env = cli_env(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-    cmd = [sys.executable, str(BENCHMARKS / "ckpt_host_memory.py"), "--workdir", str(tmp_path),
-           "--synthetic", f"{IO},{LEAVES},{LEAF}"]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    got = json.loads(p.stdout.strip().splitlines()[-1])
+    got = _synthetic(tmp_path, f"{IO},{LEAVES},{LEAF}")
     assert got["state_bytes"] == 2 * LEAVES * LEAF
     assert max(got["save_extra"]) <= FIXED, got
     bound = 2 * 2 * IO + FIXED
@@ -49,14 +54,7 @@ def test_zstd_holds_each_pieces_encoding_and_raw_does_not(tmp_path):
     than a raw one; asserted as at least half a leaf more, with 16 MiB leaves (8 per item, IO just over
     one leaf), and the raw save within its fixed costs."""
     leaf, io = 16 * MIB, 17 * MIB
-    env = cli_env(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-    worst = {}
-    for codec in ("", ",zstd"):
-        cmd = [sys.executable, str(BENCHMARKS / "ckpt_host_memory.py"), "--workdir", str(tmp_path),
-               "--synthetic", f"{io},8,{leaf}{codec}"]
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-        assert p.returncode == 0, p.stderr[-3000:]
-        worst[codec] = max(json.loads(p.stdout.strip().splitlines()[-1])["save_extra"])
+    worst = {codec: max(_synthetic(tmp_path, f"{io},8,{leaf}{codec}")["save_extra"]) for codec in ("", ",zstd")}
     assert worst[""] <= FIXED and worst[",zstd"] >= worst[""] + leaf // 2, worst
 
 
