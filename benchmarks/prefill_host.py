@@ -13,7 +13,10 @@ times after two warm-ups.  Host clocks (time.perf_counter around the calls, no p
 time: the model's forward (its Python and kernel launches; the GPU runs behind it), and for Laplace the
 24 mixer calls inside it (`LaplaceVllmMixer._forward`, run eagerly between vLLM's CUDA-graph pieces)
 and the launcher calls inside those (`launch_keys.run`: a replayed layer makes none,
-export/ops/launch_tape.py).  Also the GPU time of the forward (CUDA events around it).
+export/ops/launch_tape.py); the forward's and the mixers' thread CPU time beside their walls
+(`forward_cpu`, `mixers_cpu`: a wall above it is time the thread waited, for the GIL that another of
+vLLM's threads held or for the GPU), and the garbage collector's pauses (`gc`).  Also the GPU time of
+the forward (CUDA events around it).
 
 With --decodes N, each length is also measured as a prompt arriving while N other requests decode
 (`mixed_rows`): the engine is stepped by hand (`LLMEngine.add_request` / `step`), and a row holds the
@@ -47,20 +50,38 @@ LAUNCH_MODULES = ("conv", "gated_mix", "gla_decode", "gla_prefill", "gla_prefill
 
 
 class Clock:
-    """Host seconds and calls accumulated by wrapped functions, per name."""
+    """Host seconds and calls accumulated by wrapped functions, per name.  With `cpu=True` a wrapped
+    function's thread CPU time too (as NAME_cpu): a wall time well above it is time the calling thread
+    waited (for the GIL held by another of vLLM's threads, or for the GPU) rather than worked.  The
+    garbage collector's pauses are accumulated as "gc" (`gc.callbacks`)."""
 
     def __init__(self):
         self.s: dict = {}
         self.n: dict = {}
+        self._gc_t0 = None
+        import gc
+        gc.callbacks.append(self._gc)
 
-    def wrap(self, name: str, fn):
+    def _gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        elif self._gc_t0 is not None:
+            self.s["gc"] = self.s.get("gc", 0.0) + time.perf_counter() - self._gc_t0
+            self.n["gc"] = self.n.get("gc", 0) + 1
+            self._gc_t0 = None
+
+    def wrap(self, name: str, fn, cpu: bool = False):
         def timed(*args, **kw):
             t0 = time.perf_counter()
+            c0 = time.thread_time() if cpu else 0.0      # the CPU interval inside the wall one
             try:
                 return fn(*args, **kw)
             finally:
+                c1 = time.thread_time() if cpu else 0.0
                 self.s[name] = self.s.get(name, 0.0) + time.perf_counter() - t0
                 self.n[name] = self.n.get(name, 0) + 1
+                if cpu:
+                    self.s[name + "_cpu"] = self.s.get(name + "_cpu", 0.0) + c1 - c0
         return timed
 
     def reset(self) -> None:
@@ -101,14 +122,14 @@ class GpuClock:
 def instrument(model_cls, laplace: bool, clock: Clock, gpu) -> None:
     """Wrap the forward of `model_cls` (host clock, and GPU events where `gpu`), and for Laplace the
     mixer's `_forward` and every launcher module's `run`."""
-    fwd = clock.wrap("forward", model_cls.forward)
+    fwd = clock.wrap("forward", model_cls.forward, cpu=True)
     model_cls.forward = gpu.wrap(fwd) if gpu is not None else fwd
     if not laplace:
         return
     import importlib
 
     from export import vllm_model
-    vllm_model.LaplaceVllmMixer._forward = clock.wrap("mixers", vllm_model.LaplaceVllmMixer._forward)
+    vllm_model.LaplaceVllmMixer._forward = clock.wrap("mixers", vllm_model.LaplaceVllmMixer._forward, cpu=True)
     for name in LAUNCH_MODULES:
         mod = importlib.import_module(f"export.ops.{name}")
         mod.run = clock.wrap("triton_launches", mod.run)

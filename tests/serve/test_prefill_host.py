@@ -30,6 +30,9 @@ def test_smoke_rows_host_split_and_agreement(tmp_path):
         # inside the request's wall time
         assert row["calls"]["forward"] == 1 and row["calls"]["mixers"] == layers, row
         assert 0 < row["host_ms"]["mixers"] < row["host_ms"]["forward"] < row["wall_ms"], row
+        # one thread's CPU time inside its wall time (both rounded to 0.001 ms)
+        for name in ("forward", "mixers"):
+            assert 0 < row["host_ms"][f"{name}_cpu"] <= row["host_ms"][name] + 0.002, row
         assert len(row["wall_ms_all"]) == 2
     # a prompt arriving beside 3 decoding requests: the steps until its first token are inside the
     # time from its arrival, each step's forward holds its mixers, and the decode-only step was timed
