@@ -31,7 +31,8 @@ def dataset_args(run: Run) -> list[str]:
 def bench_args(run: Run, base_url: str, tokenizer: Path, result_dir: Path, num_warmups: int = 0) -> list[str]:
     """`vllm bench serve` arguments of `run`: Poisson arrivals at run.rate (inf: all at t = 0), greedy,
     every request exactly out_len tokens (ignore_eos), TTFT/TPOT/ITL/E2EL at p50 and p99, the result
-    saved as result_dir/<run.label>.json."""
+    saved as result_dir/<run.label>.json with each request's record (TTFT, ITLs, start time: where a
+    tail comes from)."""
     rate = "inf" if math.isinf(run.rate) else f"{run.rate:g}"
     args = ["--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
             "--model", SERVED_NAME, "--tokenizer", str(tokenizer), *dataset_args(run),
@@ -39,7 +40,8 @@ def bench_args(run: Run, base_url: str, tokenizer: Path, result_dir: Path, num_w
             "--ignore-eos", "--temperature", "0", "--seed", str(run.seed),
             "--percentile-metrics", PERCENTILE_METRICS, "--metric-percentiles", "50,99",
             "--num-warmups", str(num_warmups), "--ready-check-timeout-sec", "0", "--disable-tqdm",
-            "--save-result", "--result-dir", str(result_dir), "--result-filename", f"{run.label}.json"]
+            "--save-result", "--save-detailed", "--result-dir", str(result_dir),
+            "--result-filename", f"{run.label}.json"]
     return args + (["--max-concurrency", str(run.concurrency)] if run.concurrency else [])
 
 

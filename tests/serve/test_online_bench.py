@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tarfile
 
+import numpy as np
 import pytest
 
 from conftest import BENCHMARKS, ROOT, cpu_vllm_env, import_interpreted, need
@@ -160,6 +161,10 @@ def _check_row(row: dict, result: dict) -> None:
         assert 0 <= p50 <= p99 and p99 > 0, (m, row)
         assert (p50, p99) == (result[f"median_{m}_ms"], result[f"p99_{m}_ms"])
     assert row["median_ttft_ms"] > 0 and row["request_throughput"] > 0 and row["output_throughput"] > 0
+    if row["workload"] != "multiturn":          # vLLM's client: each request's record kept
+        ttfts = np.asarray(result["ttfts"])
+        assert len(ttfts) == row["completed"] and len(result["start_times"]) == row["completed"]
+        assert np.isclose(1e3 * np.percentile(ttfts, 99), row["p99_ttft_ms"], rtol=1e-9), row
 
 
 @pytest.mark.slow
