@@ -184,7 +184,7 @@ def child(a) -> dict:
             splits.append(split)
             if g is not None:
                 gpu_ms.append(g)
-        med = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
+        med = {k: statistics.median(s.get(k, 0.0) for s in splits) for k in _keys(splits)}
         row = {"model": a.child, "prompt_len": length, "wall_ms": statistics.median(walls),
                "wall_ms_all": [round(w, 2) for w in walls],
                "host_ms": {k: round(v, 3) for k, v in med.items()},
@@ -221,6 +221,11 @@ def _timed(call, clock: Clock, gpu, cuda: bool) -> tuple[float, object, dict, fl
         torch.cuda.synchronize()
     wall = 1e3 * (time.perf_counter() - t0)
     return wall, outs, {k: 1e3 * v for k, v in clock.s.items()}, (gpu.take_ms() if gpu is not None else None)
+
+
+def _keys(splits: list) -> list:
+    """Every name timed in any repetition (a GC pause, say, in one of them only), in first-seen order."""
+    return list(dict.fromkeys(k for s in splits for k in s))
 
 
 BG_LEN = 16       # prompt tokens of each decoding request of a mixed row
@@ -289,7 +294,7 @@ def mixed_row(llm, a, length: int, clock: Clock, gpu, cuda: bool) -> dict:
            "ttft_ms": statistics.median(ttfts), "ttft_ms_all": [round(t, 2) for t in ttfts],
            "steps": steps, "step_walls_ms": [[round(w, 2) for w in sw] for sw in walls],
            "decode_step_ms": statistics.median(decode_walls),
-           "host_ms": {k: round(statistics.median(s.get(k, 0.0) for s in splits), 3) for k in splits[0]},
+           "host_ms": {k: round(statistics.median(s.get(k, 0.0) for s in splits), 3) for k in _keys(splits)},
            "gpu_ms": statistics.median(gpu_ms) if cuda else None}
     log(f"MIXED {json.dumps(row)}")
     return row

@@ -65,3 +65,28 @@ def test_mixed_rows_after_a_cached_prefix(tmp_path):
     assert res["engine"]["enable_prefix_caching"] is True and res["engine"]["block_size"] == 32
     (row,) = res["mixed_rows"]
     assert row["cached_prefix"] == 64 and row["cached_tokens"] == [64, 64], row
+
+
+def test_clock_counts_gc_pauses_and_cpu_time_inside_the_wall():
+    """prefill_host.Clock: a collection inside a wrapped call is timed as "gc" (inside the call's own
+    wall), the thread CPU time of a call that sleeps is well below its wall, and a name timed in one
+    repetition only still makes a row's key."""
+    import gc
+    import time
+
+    import prefill_host
+
+    clock = prefill_host.Clock()
+    try:
+        def work():
+            junk = [[i] for i in range(200_000)]       # objects for the collector to walk
+            gc.collect()
+            time.sleep(0.05)
+            return len(junk)
+
+        clock.wrap("forward", work, cpu=True)()
+        assert clock.n["gc"] >= 1 and 0 < clock.s["gc"] < clock.s["forward"]
+        assert clock.s["forward_cpu"] < clock.s["forward"] - 0.04       # the sleep is waiting, not work
+    finally:
+        gc.callbacks.remove(clock._gc)
+    assert prefill_host._keys([{"forward": 1.0}, {"forward": 2.0, "gc": 0.5}]) == ["forward", "gc"]
