@@ -13,7 +13,8 @@ times after two warm-ups.  Host clocks (time.perf_counter around the calls, no p
 time: the model's forward (its Python and kernel launches; the GPU runs behind it), and for Laplace the
 24 mixer calls inside it (`LaplaceVllmMixer._forward`, run eagerly between vLLM's CUDA-graph pieces)
 and the launcher calls inside those (`launch_keys.run`: a replayed layer makes none,
-export/ops/launch_tape.py); the forward's and the mixers' thread CPU time beside their walls
+export/ops/launch_tape.py) and the replays themselves (`replays`: a replayed layer's launches and GEMMs;
+the mixers' time less these is the Python around them); the forward's and the mixers' thread CPU time beside their walls
 (`forward_cpu`, `mixers_cpu`: a wall above it is time the thread waited, for the GIL that another of
 vLLM's threads held or for the GPU), and the garbage collector's pauses (`gc`).  Also the GPU time of
 the forward (CUDA events around it).
@@ -129,7 +130,10 @@ def instrument(model_cls, laplace: bool, clock: Clock, gpu) -> None:
     import importlib
 
     from export import vllm_model
+    from export.ops import launch_tape
     vllm_model.LaplaceVllmMixer._forward = clock.wrap("mixers", vllm_model.LaplaceVllmMixer._forward, cpu=True)
+    # a replayed layer's launches and GEMMs (the rest of its mixer time is the Python around them)
+    launch_tape.Tape.replay = clock.wrap("replays", launch_tape.Tape.replay, cpu=True)
     for name in LAUNCH_MODULES:
         mod = importlib.import_module(f"export.ops.{name}")
         mod.run = clock.wrap("triton_launches", mod.run)
