@@ -8,9 +8,10 @@ Each layer's token mixer is a `MambaBase` layer whose two float32 states — the
 On CUDA with triton, Triton kernels (export/ops/) update the states in the pool in place, with no
 grouping by length: the decode rows' conv window (ops/conv.py, one-token tiles) and GLA step
 (ops/gla_decode.py); all prefill requests of a step as one packed call each of ops/conv.py (conv
-window + SiLU) and ops/gla_prefill.py (chunked GLA), with no state gather / scatter; on both, the
-post-GLA step (`gated_mix`: self-augmentation, head norm, gate, cast) as one kernel of
-ops/gated_mix.py.  The torch path (CPU installs without triton, or
+window + SiLU) and ops/gla_prefill.py (chunked GLA), with no state gather / scatter; each writes its
+rows of one conv and one GLA output, so the projection, the post-GLA step (`gated_mix`:
+self-augmentation, head norm, gate, cast; one kernel of ops/gated_mix.py) and w_out run once over
+the step's rows.  The torch path (CPU installs without triton, or
 LAPLACE_VLLM_TRITON=0) runs prefill requests of equal query length as one batch (chunked GLA with
 no loop over chunks) and the decode step in torch.
 A decode-only batch may be captured whole in a CUDA graph (the LINEAR backend allows uniform
@@ -45,6 +46,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from export import prefix_cache, step_index
 from export.ops import conv, gated_mix, gla_decode, gla_prefill, launch_tape, triton_switch, warmup
+from export.ops.launch_keys import scratch
 from export.reference import layer_norm
 from export.torch_model import LaplaceMixer, Norm, check_folder, check_state_dict
 from laplace_jax.spec import Arch
@@ -163,14 +165,14 @@ class LaplaceVllmMixer(LaplaceMixer, MambaBase):
 
     def _forward_fast(self, md, ix, xn, residual, conv_pool, gla_pool) -> None:
         """The Triton paths of a step (no host sync: a decode-only batch may be captured in a full
-        CUDA graph): the decode rows, then all prefill requests packed.  The step's first layer
-        records its launches and GEMMs on a tape that the later layers replay with their own tensors
-        (export/ops/launch_tape.py: the host time of an eagerly run prefill step)."""
-        t0 = int(md.num_decode_tokens)     # prefill tokens follow the decode tokens
+        CUDA graph): the decode rows and all prefill requests packed, as one block of rows
+        (`_rows_fast`).  The step's first layer records its launches and GEMMs on a tape that the
+        later layers replay with their own tensors (export/ops/launch_tape.py: the host time of an
+        eagerly run prefill step)."""
+        nd, n = ix.nd, ix.n      # one token a decode row: the prefill tokens start at row nd
         roles = dict(conv_pool=conv_pool, gla_pool=gla_pool, conv_w=self.conv.weight, conv_b=self.conv.bias,
                      g_gamma=self.g_gamma, aug=self.aug_balance, norm=self.head_norm, w_qkvg=self.w_qkvg.weight,
-                     w_out=self.w_out.weight, x_dec=xn[:ix.nd], res_dec=residual[:ix.nd], x_pf=xn[t0:ix.n],
-                     res_pf=residual[t0:ix.n])
+                     w_out=self.w_out.weight, x_dec=xn[:nd], x_pf=xn[nd:n], res=residual[:n])
         held = ix.shared.setdefault("tape", launch_tape.Held())   # one per step, as ix is
         if held.tape is not None and held.tape.replay(roles):
             return
@@ -178,25 +180,56 @@ class LaplaceVllmMixer(LaplaceMixer, MambaBase):
         if not held.tried and launch_tape.can_record(xn.device):
             held.tried = True
             tape = launch_tape.Tape(roles, direct_ok=xn.is_cuda)
+        dec = (ix.slots[:nd], ix.keep8[:nd], ix.cu_decode) if nd > 0 else None
+        pf = (ix.slots[nd:], ix.keep8[nd:], ix.cu_prefill) if ix.npf > 0 else None
         with tape.recording() if tape is not None else contextlib.nullcontext():
-            self._fast_body(ix, roles, tape)
+            self._rows_fast(roles["x_dec"], roles["x_pf"], roles["res"], conv_pool, gla_pool, dec, pf, tape)
         if tape is not None and tape.valid:
             held.tape = tape
 
-    def _fast_body(self, ix, roles: dict, tape) -> None:
-        nd = ix.nd
-        if nd > 0:
-            sl, keep = ix.slots[:nd], ix.keep8[:nd]
+    def _rows_fast(self, x_dec, x_pf, residual, conv_pool, gla_pool, dec, pf, tape=None) -> None:
+        """A step's rows by the Triton kernels, states updated in the pools in place: nd decode rows
+        (one token each), then the packed tokens of R prefill requests, as one block of rows.
+
+        x_dec [nd, D], x_pf [T, D]; residual [nd + T, D] (a row block of the block's input,
+        contiguous) += the mixer's output of those rows, in place.  dec: (slots [nd], keep [nd] bool
+        or int8, cu 0..nd int32) of the decode rows; pf: (slots [R], keep [R], cu [R + 1] from the
+        first prefill token) of the prefill requests; None where the step has none.  tape: the
+        step's recording tape (x_dec, x_pf and residual are its roles "x_dec", "x_pf" and "res").
+
+        Only the conv and the GLA differ between decode rows (one-token kernels) and prefill
+        requests (chunked kernels), and each writes its own rows of one output, so the projection,
+        the gated mix and w_out run once over all rows: in a mixed step three launches fewer (the
+        host time a step with a prefill waits on, BENCHMARKS.md run S19 b) and one read of each
+        weight matrix."""
+        nd, T = x_dec.shape[0], x_pf.shape[0]
+        dev = x_pf.device
+        u = scratch(torch.empty((nd + T, x_pf.shape[1]), device=dev, dtype=x_pf.dtype))
+        o = scratch(torch.empty((nd + T, self.H, self.V), device=dev, dtype=torch.float32))
+        u_dec, u_pf, o_dec, o_pf = u[:nd], u[nd:], o[:nd], o[nd:]
+        if tape is not None:     # the views the launches take: tensors of the step, as u and o
+            tape.step(u_dec, u_pf, o_dec, o_pf, *(dec or ()), *(pf or ()))
+        w, b = self.conv.weight, self.conv.bias
+        if dec is not None:
+            conv.conv_decode_inplace(conv_pool, dec[0], dec[1], x_dec, w, b, cu_seqlens=dec[2], out=u_dec)
+        if pf is not None:
+            conv.conv_prefill_inplace(conv_pool, pf[0], pf[1], x_pf, w, b, pf[2], out=u_pf)
+        q, k, v, g = self._project(u, tape)
+        if dec is not None:
+            qd, kd, vd = q[:nd], k[:nd], v[:nd]
             if tape is not None:
-                tape.step(sl, keep, ix.cu_decode)
-            self._decode_fast(roles["x_dec"], roles["conv_pool"], roles["gla_pool"], sl, keep, roles["res_dec"],
-                              ix.cu_decode, tape)
-        if ix.npf > 0:
-            sl, keep = ix.slots[nd:], ix.keep8[nd:]
+                tape.step(qd, kd, vd)
+            gla_decode.gla_decode_inplace(gla_pool, dec[0], dec[1], qd, kd, vd, self.g_gamma, out=o_dec)
+        if pf is not None:
+            # the kernel reads q, k, v straight from the projection (strided views, x's dtype).  o
+            # stays float32: a bf16 o (as JAX's chunk_simple_gla returns it) made the kernel slower
+            # than the fused post gained (H200, 8 × 2,048 tokens: 0.349 vs 0.279 ms, and 0.179 vs
+            # 0.197 ms; BENCHMARKS run S10)
+            qp, kp, vp = q[nd:], k[nd:], v[nd:]
             if tape is not None:
-                tape.step(sl, keep, ix.cu_prefill)
-            self._prefill_packed(roles["x_pf"], roles["conv_pool"], roles["gla_pool"], sl, keep, ix.cu_prefill,
-                                 roles["res_pf"], tape)
+                tape.step(qp, kp, vp)
+            gla_prefill.gla_prefill_inplace(gla_pool, pf[0], pf[1], qp, kp, vp, self.g_gamma, pf[2], out=o_pf)
+        self._mix_out_fused(q, k, v, g, o, residual, tape, "res")
 
     def _project(self, u, tape):
         """q, k [N, H, K], v, g [N, H, V]: views of u [N, D] w_qkvg^T (recorded on `tape`, if any)."""
@@ -205,16 +238,6 @@ class LaplaceVllmMixer(LaplaceMixer, MambaBase):
         if tape is not None:
             tape.step(q, k, v, g)
         return q, k, v, g
-
-    def _decode_fast(self, xn, conv_pool, gla_pool, sl, keep, residual, cu=None, tape=None) -> None:
-        """One token per row, `forward_step` as three Triton kernels and two GEMMs: conv window and
-        GLA state updated in the pool at slots sl in place; the mixer output added to residual
-        [B, D] in place.  keep [B] bool or int8 (the kernels' flag); cu: 0..B int32 (None: made here);
-        tape: the step's recording tape (residual is its "res_dec")."""
-        u = conv.conv_decode_inplace(conv_pool, sl, keep, xn, self.conv.weight, self.conv.bias, cu_seqlens=cu)
-        q, k, v, g = self._project(u, tape)
-        o = gla_decode.gla_decode_inplace(gla_pool, sl, keep, q, k, v, self.g_gamma)
-        self._mix_out_fused(q, k, v, g, o, residual, tape, "res_dec")
 
     def _decode(self, xn, conv_pool, gla_pool, sl, keep):
         """The torch decode path: conv window and GLA state gathered from the pool at slots sl
@@ -225,21 +248,6 @@ class LaplaceVllmMixer(LaplaceMixer, MambaBase):
         conv_pool[sl] = cs.to(conv_pool.dtype)
         gla_pool[sl] = gs.to(gla_pool.dtype)
         return o
-
-    def _prefill_packed(self, x, conv_pool, gla_pool, sl, keep, cu, residual, tape=None) -> None:
-        """All prefill requests at once (Triton, in place on both pools, no host sync).
-
-        x [T, D]: their tokens back to back, request r's at cu[r]:cu[r+1]; sl [R] slots; keep [R]
-        (False: a new sequence, zero states).  The mixer output is added to residual [T, D] in
-        place.  tape: the step's recording tape (residual is its "res_pf")."""
-        u = conv.conv_prefill_inplace(conv_pool, sl, keep, x, self.conv.weight, self.conv.bias, cu)
-        q, k, v, g = self._project(u, tape)
-        # the kernel reads q, k, v straight from the projection (strided views, x's dtype).  o stays
-        # float32: a bf16 o (as JAX's chunk_simple_gla returns it) made the kernel slower than the
-        # fused post gained (H200, 8 × 2,048 tokens: 0.349 vs 0.279 ms, and 0.179 vs 0.197 ms;
-        # BENCHMARKS run S10)
-        o = gla_prefill.gla_prefill_inplace(gla_pool, sl, keep, q, k, v, self.g_gamma, cu)
-        self._mix_out_fused(q, k, v, g, o, residual, tape, "res_pf")
 
     def _mix_out_fused(self, q, k, v, g, o, residual, tape=None, role: str = "") -> None:
         """`mix_out` with gated_mix as one Triton kernel (export/ops/gated_mix.py): the same float32

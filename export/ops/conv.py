@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from export.ops.launch_keys import Launch, run, scratch
-from export.ops.triton_switch import require, rowmajor, tl, triton
+from export.ops.triton_switch import checked_out, require, rowmajor, tl, triton
 
 # D = 3072: 48 channel blocks per request; each block of 32 tokens loads C shifted [32, 64] tiles
 # of x (the shifts hit L1/L2: about one read of x overall) and stores one.  On an H200 at 8 × 2,048
@@ -112,7 +112,8 @@ if triton is not None:
 def conv_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor, x: torch.Tensor,
                          weight: torch.Tensor, bias: torch.Tensor, cu_seqlens: torch.Tensor,
                          silu: bool = True, block_t: int = BLOCK_T, block_d: int = BLOCK_D,
-                         seg_tiles: int = SEG_TILES, n_split: Optional[int] = None) -> torch.Tensor:
+                         seg_tiles: int = SEG_TILES, n_split: Optional[int] = None,
+                         out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal depthwise conv over the packed prefill tokens of R requests, continuing from and
     writing back their windows in the pool.
 
@@ -122,7 +123,8 @@ def conv_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Te
     integer, nondecreasing, cu_seqlens[R] <= T.  Returns SiLU(u) (u if not silu) [T, D] in x's
     dtype (rows outside every request are left uninitialised).  block_t, block_d: the tile
     (powers of 2); seg_tiles: tiles per segment; n_split: programs per (request, channel block),
-    None: `default_split`."""
+    None: `default_split`.  out: where to write the result ([T, D], x's dtype, last-dim stride 1; a
+    row block of a buffer the caller shares), None: a new tensor."""
     require("export.ops.conv")
     T, D = x.shape
     C = weight.shape[-1]
@@ -131,7 +133,8 @@ def conv_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Te
         raise ValueError(f"conv pool {tuple(pool.shape)} {pool.dtype}: want [*, {C}, {D}] float32")
     if cu_seqlens.shape[0] != R + 1:
         raise ValueError(f"cu_seqlens has {cu_seqlens.shape[0]} entries for {R} requests: want R + 1")
-    u = scratch(torch.empty_like(x, memory_format=torch.contiguous_format))
+    u = checked_out(out, (T, D), x.dtype) if out is not None else \
+        scratch(torch.empty_like(x, memory_format=torch.contiguous_format))
     if R == 0 or T == 0:
         return u
     x = rowmajor(x)
@@ -161,12 +164,13 @@ def default_split(T: int, R: int, seg: int) -> int:
 
 def conv_decode_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor, x: torch.Tensor,
                         weight: torch.Tensor, bias: torch.Tensor, silu: bool = True,
-                        cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        cu_seqlens: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One decode step: row b of x [B, D] is the next input of the sequence whose window is
     pool[slots[b]] (zeros where keep[b] is False).  Returns SiLU(u) [B, D] in x's dtype; the
     windows are updated in place.  Padding rows may share the null slot 0 (their writes race
     there, harmlessly, as in gla_decode).  cu_seqlens: 0..B int32, the rows as one-token requests
-    (None: made here; the vLLM mixer passes its step's, made once for all layers)."""
+    (None: made here; the vLLM mixer passes its step's, made once for all layers); out: as in
+    `conv_prefill_inplace`."""
     cu = torch.arange(x.shape[0] + 1, device=x.device, dtype=torch.int32) if cu_seqlens is None else cu_seqlens
     return conv_prefill_inplace(pool, slots, keep, x, weight, bias, cu, silu, block_t=1, block_d=DECODE_BLOCK_D,
-                                seg_tiles=1, n_split=1)
+                                seg_tiles=1, n_split=1, out=out)

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from export.ops.launch_keys import Launch, run, scratch
-from export.ops.triton_switch import require, rowmajor, tl, triton
+from export.ops.triton_switch import checked_out, require, rowmajor, tl, triton
 
 BLOCK_V = 64
 BLOCK_K = None      # None: all of K in one block (next power of 2)
@@ -82,19 +82,22 @@ if triton is not None:
 def gla_decode_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor, q: torch.Tensor,
                        k: torch.Tensor, v: torch.Tensor, g_gamma: torch.Tensor,
                        block_v: int = BLOCK_V, num_warps: int = NUM_WARPS,
-                       block_k: Optional[int] = BLOCK_K, evict: Optional[bool] = None) -> torch.Tensor:
+                       block_k: Optional[int] = BLOCK_K, evict: Optional[bool] = None,
+                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """pool [num_slots, H, K, V] float32 (any strides, updated in place); slots [B] integer (valid
     slot ids); keep [B] bool (False: start from a zero state); q, k [B, H, K]; v [B, H, V] (any
     float dtype, last-dim stride 1 or copied); g_gamma [H] (ln λ).  Returns o [B, H, V] float32.
     block_v, num_warps: the launch (one program per row, head and block_v columns of V); block_k:
     rows of K per unrolled step inside a program (None: all of K, padded to a power of 2); evict:
-    `evict_first` on the state's traffic (None: LAPLACE_GLA_DECODE_EVICT)."""
+    `evict_first` on the state's traffic (None: LAPLACE_GLA_DECODE_EVICT); out: where to write o
+    ([B, H, V] float32, last-dim stride 1; a row block of a buffer the caller shares), None: new."""
     require("export.ops.gla_decode")
     B, H, K = q.shape
     V = v.shape[-1]
     if pool.dtype != torch.float32 or tuple(pool.shape[1:]) != (H, K, V):
         raise ValueError(f"state pool {tuple(pool.shape)} {pool.dtype}: want [*, {H}, {K}, {V}] float32")
-    o = scratch(torch.empty((B, H, V), device=q.device, dtype=torch.float32))
+    o = checked_out(out, (B, H, V), torch.float32) if out is not None else \
+        scratch(torch.empty((B, H, V), device=q.device, dtype=torch.float32))
     if B == 0:
         return o
     q, k, v = rowmajor(q), rowmajor(k), rowmajor(v)

@@ -45,7 +45,7 @@ from export.ops import gla_prefill_chunked as chunked
 from export.ops.gla_chunk_math import _chunk_decays, _chunk_output, _chunk_state, _head_rows, _modes, _tile_ranges
 from export.ops.gla_chunk_math import default_precision  # noqa: F401  (gla_prefill.default_precision)
 from export.ops.launch_keys import Launch, run, scratch
-from export.ops.triton_switch import interpreting, require, rowmajor, tl, triton
+from export.ops.triton_switch import checked_out, interpreting, require, rowmajor, tl, triton
 
 # H200, K=96 (padded to 128), V=192: BV=64 gives R*H*3 programs (384 for 8 requests, ~3 per SM of
 # 132) with a [128, 64] float32 state (64 registers a thread at 4 warps) next to the [64, 64] score
@@ -108,7 +108,8 @@ def gla_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Ten
                         chunk: int = CHUNK, precision: Optional[str] = None,
                         block_v: int = BLOCK_V, num_warps: int = NUM_WARPS,
                         num_stages: Optional[int] = None,
-                        out_dtype: torch.dtype = torch.float32, path: Optional[str] = None) -> torch.Tensor:
+                        out_dtype: torch.dtype = torch.float32, path: Optional[str] = None,
+                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Chunked GLA over the packed prefill tokens of R requests, continuing from and writing back
     their states in the pool.
 
@@ -121,7 +122,8 @@ def gla_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Ten
     kernel), "chunked" (export/ops/gla_prefill_chunked.py, chunks in parallel) or None: by
     `gla_prefill_chunked.prefill_path` from R, T and the shapes (or `forced_path`).  Returns o [T, H, V] in
     out_dtype (float32, or q's dtype as JAX's chunk_simple_gla returns it: one rounding of the
-    float32 result; rows outside every request are left uninitialised)."""
+    float32 result; rows outside every request are left uninitialised).  out: where to write o ([T,
+    H, V] in out_dtype, last-dim stride 1; a row block of a buffer the caller shares), None: new."""
     require("export.ops.gla_prefill")
     T, H, K = q.shape
     V = v.shape[-1]
@@ -137,7 +139,8 @@ def gla_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Ten
     qk_mode, mode = _modes(q.dtype, precision)
     if out_dtype not in (torch.float32, q.dtype):
         raise ValueError(f"out_dtype {out_dtype}: want float32 or q's dtype {q.dtype}")
-    o = scratch(torch.empty((T, H, V), device=q.device, dtype=out_dtype))
+    o = checked_out(out, (T, H, V), out_dtype) if out is not None else \
+        scratch(torch.empty((T, H, V), device=q.device, dtype=out_dtype))
     if R == 0 or T == 0:
         return o
     path = path or _forced_path or chunked.prefill_path(R, T, H, K, V, chunk, chunked.sm_count(q.device), block_v)

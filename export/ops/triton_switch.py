@@ -3,7 +3,7 @@
 `triton` and `tl` are None where triton is not installed (CPU installs: the torch paths run).
 `enabled()`: triton importable and LAPLACE_VLLM_TRITON not "0".  `available(t)`: enabled, and
 tensors like `t` can run the kernels (CUDA, or any device under TRITON_INTERPRET=1, the CPU
-interpreter the tests use).
+interpreter the tests use).  `checked_out`: an output tensor a launcher's caller hands it, checked.
 """
 import os
 
@@ -40,3 +40,12 @@ def rowmajor(x: torch.Tensor) -> torch.Tensor:
     """x itself when its last dimension is contiguous (the kernels take any other strides), else a
     contiguous copy."""
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def checked_out(out: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A caller's output tensor for a launcher, checked: the kernels index its rows by their
+    strides and its last dimension densely."""
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or (out.numel() and out.stride(-1) != 1):
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} stride {out.stride()}: want {tuple(shape)} "
+                         f"{dtype} with last-dim stride 1")
+    return out

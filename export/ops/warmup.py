@@ -13,12 +13,12 @@ arrays are exempt from that specialization now).
 What varies: with the launchers' settings fixed per model and dtype, and the per-request index
 arrays and token counts exempt from Triton's specialization (see export/ops/launch_keys.py), a
 launch's key depends on no batch property but two: which prefill kernel `prefill_path` picks
-(serial or chunked), and, for the conv prefill, whether its input x = xn[t0:] (t0 = the step's
-decode tokens) starts 16-byte aligned — always, when a row of D values is a multiple of 16 bytes
-(the 3B model's 3,072 bf16 values are), else by t0's parity.  `warm_up` runs the mixer's own
-launch code once per variant: a decode row, and a prefill under each path at both x offsets, all in
-the null slot 0 (which no sequence owns; CUDA-graph padding rows write there too) with zero
-initial states, into scratch outputs.
+(serial or chunked), and whether the prefill kernels' rows, from row t0 (the step's decode tokens)
+of xn and of the step's conv, projection and GLA outputs, start 16-byte aligned — always where a
+row is a multiple of 16 bytes (the 3B model's are), else by t0's parity.  `warm_up` runs the mixer's
+own launch code once per variant: a decode row alone, and a prefill under each path alone and
+beside one decode row (t0 = 0, 1), all in the null slot 0 (which no sequence owns; CUDA-graph padding
+rows write there too) with zero initial states, into scratch outputs.
 
 With prefix caching ('align' mode) one more kernel runs while serving, vLLM's own: before a step,
 its V1 runner copies each sequence's state pages between blocks with `batch_memcpy`
@@ -68,7 +68,7 @@ def pools_of(kv_cache) -> Optional[tuple]:
 def warm_up(mixer, conv_pool: torch.Tensor, gla_pool: torch.Tensor) -> None:
     """Launch each of the mixer's Triton kernel variants once (see the module doc).
 
-    mixer: a `LaplaceVllmMixer` (its `_decode_fast` and `_prefill_packed` run, with its weights);
+    mixer: a `LaplaceVllmMixer` (its `_rows_fast` runs, with its weights);
     conv_pool [slots, C, D], gla_pool [slots, H, K, V]: its bound state pools (slot 0 is
     overwritten)."""
     dev = gla_pool.device
@@ -81,12 +81,14 @@ def warm_up(mixer, conv_pool: torch.Tensor, gla_pool: torch.Tensor) -> None:
     slot = torch.zeros(1, device=dev, dtype=torch.long)
     keep = torch.zeros(1, device=dev, dtype=torch.bool)
     cu = torch.tensor([0, T], device=dev, dtype=torch.int32)
-    mixer._decode_fast(xn[:1], conv_pool, gla_pool, slot, keep, residual[:1])
-    for off in (0, 1):                          # x = xn[t0:] at both alignments of row t0
+    one = torch.arange(2, device=dev, dtype=torch.int32)
+    mixer._rows_fast(xn[:1], xn[1:1], residual[:1], conv_pool, gla_pool, (slot, keep, one), None)
+    for nd in (0, 1):       # prefill rows from row t0 = nd of xn and of the step's outputs: both alignments
+        dec = (slot, keep, one) if nd else None
         for path in ("serial", "chunked"):
             with gla_prefill.forced_path(path):
-                mixer._prefill_packed(xn[off:off + T], conv_pool, gla_pool, slot, keep, cu,
-                                      residual[off:off + T])
+                mixer._rows_fast(xn[:nd], xn[nd:nd + T], residual[:nd + T], conv_pool, gla_pool, dec,
+                                 (slot, keep, cu))
     if mixer.mamba_cache_mode == "align":
         warm_state_copy((conv_pool, gla_pool))
 

@@ -94,3 +94,24 @@ def test_conv_decode_vs_conv_with_state():
     """The decode step's one-token tiles (512 channels wide, D = 80 masked), with CUDA-graph
     padding rows that all point at slot 0."""
     _conv_case([1] * 9, pad_rows=3)
+
+
+def test_conv_writes_a_callers_row_block_and_checks_it(interpret):
+    """out= (the vLLM mixer's one conv output for decode and prefill rows): the result lands in the
+    caller's row block with the very bits of a fresh output, the rows around it untouched; an out of
+    another shape or dtype, or with strided columns, is refused by name."""
+    g = torch.Generator().manual_seed(3)
+    C, D = 4, 80
+    pool = torch.randn(6, C, D, generator=g)
+    slots, keep = torch.tensor([2, 5]), torch.tensor([True, False])
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32)
+    x = torch.randn(20, D, generator=g)
+    w, b = torch.randn(D, 1, C, generator=g), torch.randn(D, generator=g)
+    want = conv.conv_prefill_inplace(pool.clone(), slots, keep, x, w, b, cu)
+    buf = torch.full((23, D), 7.0)
+    got = conv.conv_prefill_inplace(pool.clone(), slots, keep, x, w, b, cu, out=buf[3:])
+    assert got.data_ptr() == buf[3:].data_ptr() and torch.equal(buf[3:], want)
+    assert torch.equal(buf[:3], torch.full((3, D), 7.0))
+    for bad in (torch.empty(19, D), torch.empty(20, D, dtype=torch.float64), torch.empty(D, 20).t()):
+        with pytest.raises(ValueError, match="out .*want \\(20, 80\\) torch.float32 with last-dim stride 1"):
+            conv.conv_prefill_inplace(pool.clone(), slots, keep, x, w, b, cu, out=bad)

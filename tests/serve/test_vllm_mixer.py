@@ -91,12 +91,11 @@ def test_vllm_mixer_triton_prefill_equals_torch_path(mixer, monkeypatch):
         f = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, f=f, name=name, **kw: calls.append(name) or f(*a, **kw))
     got = _run(m, raw_t, md, xn, res, n + 4, True, monkeypatch)
-    # decode: the conv (one-token tiles of the packed kernel) and the fused post; prefill: one
-    # packed call each, then the fused post
-    assert calls == ["conv_prefill_inplace", "gated_mix_fused",                        # decode rows
-                     "conv_prefill_inplace", "gla_prefill_inplace", "gated_mix_fused"]  # prefill
+    # the decode rows' conv (one-token tiles of the packed kernel), the prefill's packed conv and
+    # GLA, then one fused post over all rows
+    assert calls == ["conv_prefill_inplace", "conv_prefill_inplace", "gla_prefill_inplace", "gated_mix_fused"]
     want = _run(m, raw, md, xn, res, n + 4, False, monkeypatch)
-    assert len(calls) == 5                                                 # the torch path: none
+    assert len(calls) == 4                                                 # the torch path: none
 
     assert torch.equal(got[n:], res[n:]) and torch.equal(want[n:], res[n:])     # padding: mixer output 0
     # o: each path within prefill_tolerance('ieee') of the exact GLA; gated_mix's head RMSNorm keeps a
