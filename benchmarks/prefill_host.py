@@ -188,7 +188,7 @@ def child(a) -> dict:
             splits.append(split)
             if g is not None:
                 gpu_ms.append(g)
-        med = {k: statistics.median(s.get(k, 0.0) for s in splits) for k in _keys(splits)}
+        med = median_split(splits)
         row = {"model": a.child, "prompt_len": length, "wall_ms": statistics.median(walls),
                "wall_ms_all": [round(w, 2) for w in walls],
                "host_ms": {k: round(v, 3) for k, v in med.items()},
@@ -227,9 +227,11 @@ def _timed(call, clock: Clock, gpu, cuda: bool) -> tuple[float, object, dict, fl
     return wall, outs, {k: 1e3 * v for k, v in clock.s.items()}, (gpu.take_ms() if gpu is not None else None)
 
 
-def _keys(splits: list) -> list:
-    """Every name timed in any repetition (a GC pause, say, in one of them only), in first-seen order."""
-    return list(dict.fromkeys(k for s in splits for k in s))
+def median_split(splits: list) -> dict:
+    """The median over repetitions of each name's host time, for every name timed in any of them (a
+    GC pause, say, in one repetition only: 0 in the others), in first-seen order."""
+    names = dict.fromkeys(k for s in splits for k in s)
+    return {k: statistics.median(s.get(k, 0.0) for s in splits) for k in names}
 
 
 BG_LEN = 16       # prompt tokens of each decoding request of a mixed row
@@ -298,7 +300,7 @@ def mixed_row(llm, a, length: int, clock: Clock, gpu, cuda: bool) -> dict:
            "ttft_ms": statistics.median(ttfts), "ttft_ms_all": [round(t, 2) for t in ttfts],
            "steps": steps, "step_walls_ms": [[round(w, 2) for w in sw] for sw in walls],
            "decode_step_ms": statistics.median(decode_walls),
-           "host_ms": {k: round(statistics.median(s.get(k, 0.0) for s in splits), 3) for k in _keys(splits)},
+           "host_ms": {k: round(v, 3) for k, v in median_split(splits).items()},
            "gpu_ms": statistics.median(gpu_ms) if cuda else None}
     log(f"MIXED {json.dumps(row)}")
     return row

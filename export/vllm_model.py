@@ -229,7 +229,7 @@ class LaplaceVllmMixer(LaplaceMixer, MambaBase):
             if tape is not None:
                 tape.step(qp, kp, vp)
             gla_prefill.gla_prefill_inplace(gla_pool, pf[0], pf[1], qp, kp, vp, self.g_gamma, pf[2], out=o_pf)
-        self._mix_out_fused(q, k, v, g, o, residual, tape, "res")
+        self._mix_out_fused(q, k, v, g, o, residual, tape)
 
     def _project(self, u, tape):
         """q, k [N, H, K], v, g [N, H, V]: views of u [N, D] w_qkvg^T (recorded on `tape`, if any)."""
@@ -249,18 +249,18 @@ class LaplaceVllmMixer(LaplaceMixer, MambaBase):
         gla_pool[sl] = gs.to(gla_pool.dtype)
         return o
 
-    def _mix_out_fused(self, q, k, v, g, o, residual, tape=None, role: str = "") -> None:
+    def _mix_out_fused(self, q, k, v, g, o, residual, tape=None) -> None:
         """`mix_out` with gated_mix as one Triton kernel (export/ops/gated_mix.py): the same float32
         math (q, k, v, g, o of any float dtype upcast inside it), y [N, H·V] in residual's dtype,
         then residual [N, D] += y w_out^T as one in-place GEMM (cuBLAS adds the residual in its
         epilogue, to the float32 accumulator: one rounding; `addmm_` hands cuBLAS the residual rows
         as both C and the output, so nothing is copied).  q, k [N, H, K], v, g [N, H, V] (views of
         the projection), o [N, H, V]; residual: a row block of the block's input (contiguous), the
-        recording tape's `role` where there is a tape."""
+        recording tape's role "res" where there is a tape."""
         y = gated_mix.gated_mix_fused(q, k, v, g, o, self.aug_balance, self.head_norm, self.eps,
                                       residual.dtype)
         if tape is not None:
-            tape.addmm_(role, y, "w_out")
+            tape.addmm_("res", y, "w_out")
         else:
             residual.addmm_(y, self.w_out.weight.t())
 
