@@ -1,7 +1,7 @@
 """Where a lone prompt's prefill step spends its wall time on the host: Laplace beside the Llama peer.
 
     python benchmarks/prefill_host.py --out DIR --model-dir /dev/shm/lap [--peer-dir /dev/shm/peer]
-        [--replay-ab] [--lengths 512,2048,8192] [--reps 5] [--max-num-seqs 256] [--capture N]
+        [--replay-ab] [--graphs-ab] [--lengths 512,2048,8192] [--reps 5] [--max-num-seqs 256] [--capture N]
         [--decodes N [--cached-prefix N [--block-size 256]]]
     python benchmarks/prefill_host.py --smoke --out DIR      # CPU: the tiny config's random weights, float32
 
@@ -33,7 +33,10 @@ of a cache hit beside the decodes (issue 33), with each arrival's cached tokens 
 Then a few prompts of mixed lengths sent together, greedy, 8 tokens with their logprobs; for Laplace
 again in the same engine with LAPLACE_VLLM_REPLAY=0 (the tape off): tokens must be equal (the exit
 status says so) and the logprob difference is reported.  --replay-ab also runs a second Laplace child
-with the tape off, for its timings.  Writes DIR/prefill_host.json and prints one row per model and length.
+with the tape off, for its timings; --graphs-ab one with LAPLACE_VLLM_FULL_GRAPHS=0 (vLLM's
+FULL_AND_PIECEWISE graphs instead of whole-step ones, export/full_graph.py), whose agreement run must
+give the same tokens (a batch of five short prompts is prefilled in one graph-sized step).  Writes
+DIR/prefill_host.json and prints one row per model and length.
 """
 import argparse
 import json
@@ -314,9 +317,15 @@ def agreement_run(llm, a) -> dict:
     from serve_bench.measures import make_prompts
 
     lens = [n for n in (37, 300, 1000, max(a.lengths)) if n <= max(a.lengths)]
+    # then prompts of 5 ... 300 tokens (535 in all): one step that a whole-step CUDA graph runs
+    # (export/full_graph.py), their decode steps too
+    short = [n for n in (5, 37, 64, 129, 300) if n + 8 <= a.max_len]
+    lens += short
     prompts = [make_prompts(1, n, seed=20 + i)[0] for i, n in enumerate(lens)]
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    outs = []
+    for batch in (prompts[:len(lens) - len(short)], prompts[len(lens) - len(short):]):
+        outs += llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
     toks = [list(o.outputs[0].token_ids) for o in outs]
     lps = [[float(d[t].logprob) for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
     return {"prompt_lens": lens, "tokens": toks, "logprobs": lps}
@@ -346,6 +355,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--peer-dir", default=None, help="the Llama peer's folder (none: Laplace alone)")
     ap.add_argument("--replay-ab", action="store_true",
                     help="Laplace also with LAPLACE_VLLM_REPLAY=0 (export/ops/launch_tape.py off)")
+    ap.add_argument("--graphs-ab", action="store_true",
+                    help="Laplace also with LAPLACE_VLLM_FULL_GRAPHS=0 (vLLM's FULL_AND_PIECEWISE graphs, "
+                         "export/full_graph.py): its rows and whether its tokens are the same")
     ap.add_argument("--lengths", default=None, help="comma list of prompt lengths")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--decodes", type=int, default=0,
@@ -380,17 +392,20 @@ def main(argv=None) -> int:
         a.model_dir = str(tiny_folder(out / "tiny_laplace", a.max_len))
     if a.model_dir is None:
         raise SystemExit("error: --model-dir FOLDER (a Laplace export, e.g. the serve benchmark's) is required")
-    models = ([("laplace", a.model_dir, "1")] + ([("laplace_live", a.model_dir, "0")] if a.replay_ab else [])
-              + ([("llama", a.peer_dir, "1")] if a.peer_dir else []))
+    # (name, folder, environment): the A/B children switch one thing each
+    models = ([("laplace", a.model_dir, {})]
+              + ([("laplace_live", a.model_dir, {"LAPLACE_VLLM_REPLAY": "0"})] if a.replay_ab else [])
+              + ([("laplace_pw", a.model_dir, {"LAPLACE_VLLM_FULL_GRAPHS": "0"})] if a.graphs_ab else [])
+              + ([("llama", a.peer_dir, {})] if a.peer_dir else []))
     result = {"args": {k: v for k, v in vars(a).items() if k not in ("child", "folder")}, "models": {}}
     status = 0
-    for name, folder, replay in models:
+    for name, folder, env in models:
         cmd = [sys.executable, __file__, "--out", str(out), "--child", name, "--folder", folder,
                "--lengths", ",".join(map(str, a.lengths)), "--reps", str(a.reps), "--dtype", a.dtype,
                "--max-num-seqs", str(a.max_num_seqs), "--decodes", str(a.decodes),
                "--cached-prefix", str(a.cached_prefix), "--block-size", str(a.block_size)] \
             + (["--capture", str(a.capture)] if a.capture else []) + (["--smoke"] if a.smoke else [])
-        rc = subprocess.call(cmd, env={**os.environ, "LAPLACE_VLLM_REPLAY": replay})
+        rc = subprocess.call(cmd, env={**os.environ, "LAPLACE_VLLM_REPLAY": "1", **env})
         path = out / f"prefill_host_{name}.json"
         if rc != 0 or not path.exists():
             log(f"{name}: child exited {rc}")
@@ -398,11 +413,12 @@ def main(argv=None) -> int:
             continue
         result["models"][name] = json.loads(path.read_text())
     got = result["models"]
-    if "laplace" in got and "laplace_live" in got:
-        result["replay_vs_live"] = compare(got["laplace"]["agreement"], got["laplace_live"]["agreement"])
-        print(f"replay vs live: {result['replay_vs_live']}")
-        if not result["replay_vs_live"]["tokens_equal"]:
-            status = 1
+    for other, key in (("laplace_live", "replay_vs_live"), ("laplace_pw", "full_vs_piecewise_graphs")):
+        if "laplace" in got and other in got:
+            result[key] = compare(got["laplace"]["agreement"], got[other]["agreement"])
+            print(f"{key.replace('_', ' ')}: {result[key]}")
+            if not result[key]["tokens_equal"]:
+                status = 1
     if "laplace" in got and not got["laplace"].get("replay_vs_live_same_engine", {}).get("tokens_equal", True):
         status = 1
     (out / "prefill_host.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -1,11 +1,12 @@
 """vLLM's per-architecture config hook for Laplace (`MODELS_CONFIG_MAP["LaplaceForCausalLM"]`, set by
-export/vllm_plugin.py): the model runner (export/model_runner.py) and the prefix-caching mode
-(export/prefix_cache.py), then vLLM's own hook for attention-free state models (mamba_block_size,
-the chunked-prefill check)."""
+export/vllm_plugin.py): the model runner (export/model_runner.py), the prefix-caching mode
+(export/prefix_cache.py) and whole-step CUDA graphs (export/full_graph.py), then vLLM's own hook
+for attention-free state models (mamba_block_size, the chunked-prefill check)."""
 import logging
 
 from vllm.model_executor.models.config import MambaModelConfig
 
+from export import full_graph
 from export.model_runner import prefer_v2
 from export.prefix_cache import choose_mamba_cache_mode
 
@@ -24,4 +25,5 @@ class LaplaceMambaConfig(MambaModelConfig):
         cache = vllm_config.cache_config
         cache.mamba_cache_mode = choose_mamba_cache_mode(bool(cache.enable_prefix_caching),
                                                          cache.mamba_cache_mode)
+        full_graph.choose(vllm_config)          # after the runner: FULL graphs need V2
         super().verify_and_update_config(vllm_config)

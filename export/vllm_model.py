@@ -44,7 +44,7 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
 from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from export import prefix_cache, step_index
+from export import full_graph, prefix_cache, step_index
 from export.ops import conv, gated_mix, gla_decode, gla_prefill, launch_tape, triton_switch, warmup
 from export.ops.launch_keys import scratch
 from export.reference import layer_norm
@@ -91,7 +91,8 @@ class LaplaceVllmMixer(LaplaceMixer, MambaBase):
         # 'align' with prefix caching: vLLM then copies states between blocks (the warm-up compiles
         # that copy too) and the metadata comes from `_backend`
         self.mamba_cache_mode = vllm_config.cache_config.mamba_cache_mode
-        self._backend = prefix_cache.state_backend(self.mamba_cache_mode)
+        self._backend = prefix_cache.state_backend(self.mamba_cache_mode) or full_graph.StateBackend
+        self._compilation = vllm_config.compilation_config     # its cudagraph_mode, settled later
         ctx = vllm_config.compilation_config.static_forward_context
         if prefix in ctx:
             raise ValueError(f"duplicate layer name: {prefix}")
@@ -117,8 +118,9 @@ class LaplaceVllmMixer(LaplaceMixer, MambaBase):
         return state_shapes(self.cfg)
 
     def get_attn_backend(self):
-        # with prefix caching, a metadata builder whose state indices a CUDA graph can follow
-        return self._backend or super().get_attn_backend()
+        # metadata builders whose state indices a CUDA graph can follow: with prefix caching
+        # export/prefix_cache.py's, else export/full_graph.py's (which allows whole-step graphs)
+        return self._backend
 
     def get_state_dtype(self):
         return STATE_DTYPES
@@ -154,7 +156,10 @@ class LaplaceVllmMixer(LaplaceMixer, MambaBase):
         ix = step_index.of_step(md)
         nd, npf = ix.nd, ix.npf
         if triton_switch.available(xn):   # the Triton kernels (CUDA, triton installed, not switched off)
-            self._forward_fast(md, ix, xn, residual, conv_pool, gla_pool)
+            if full_graph.capturing_whole_step(xn, self._compilation):
+                self._rows_graph(ix, xn, residual, conv_pool, gla_pool)
+            else:
+                self._forward_fast(md, ix, xn, residual, conv_pool, gla_pool)
             return
         if nd > 0:
             o = self._decode(xn[:nd], conv_pool, gla_pool, ix.slots[:nd], ix.has_ctx[:nd])
@@ -187,7 +192,19 @@ class LaplaceVllmMixer(LaplaceMixer, MambaBase):
         if tape is not None and tape.valid:
             held.tape = tape
 
-    def _rows_fast(self, x_dec, x_pf, residual, conv_pool, gla_pool, dec, pf, tape=None) -> None:
+    def _rows_graph(self, ix, xn, residual, conv_pool, gla_pool) -> None:
+        """A step as a FULL-mode CUDA graph captures it (export/full_graph.py), for vLLM to replay for
+        any batch of xn's rows: every request of the step through the prefill kernels, decode rows as
+        one-token requests, with launch grids from the padded sizes only (N = xn's rows, R = the
+        padded requests); nothing here may depend on the batch the capture happened to see.
+        xn, residual [N, D]: residual += the mixer of xn, in place (rows after the last request pad
+        the graph's batch: vLLM discards them)."""
+        cu = ix.qsl.to(torch.int32)               # every request's rows, from row 0
+        self._rows_fast(xn[:0], xn, residual[:xn.shape[0]], conv_pool, gla_pool, None,
+                        (ix.slots, ix.keep8, cu), whole=True)
+
+    def _rows_fast(self, x_dec, x_pf, residual, conv_pool, gla_pool, dec, pf, tape=None,
+                   whole: bool = False) -> None:
         """A step's rows by the Triton kernels, states updated in the pools in place: nd decode rows
         (one token each), then the packed tokens of R prefill requests, as one block of rows.
 
@@ -196,6 +213,8 @@ class LaplaceVllmMixer(LaplaceMixer, MambaBase):
         or int8, cu 0..nd int32) of the decode rows; pf: (slots [R], keep [R], cu [R + 1] from the
         first prefill token) of the prefill requests; None where the step has none.  tape: the
         step's recording tape (x_dec, x_pf and residual are its roles "x_dec", "x_pf" and "res").
+        whole: pf holds the step's every request (`_rows_graph`): the conv by its row-tiled kernel
+        and the GLA by the serial one, whose grids depend on the sizes only.
 
         Only the conv and the GLA differ between decode rows (one-token kernels) and prefill
         requests (chunked kernels), and each writes its own rows of one output, so the projection,
@@ -212,7 +231,9 @@ class LaplaceVllmMixer(LaplaceMixer, MambaBase):
         w, b = self.conv.weight, self.conv.bias
         if dec is not None:
             conv.conv_decode_inplace(conv_pool, dec[0], dec[1], x_dec, w, b, cu_seqlens=dec[2], out=u_dec)
-        if pf is not None:
+        if pf is not None and whole:
+            conv.conv_rows_inplace(conv_pool, pf[0], pf[1], x_pf, w, b, pf[2], out=u_pf)
+        elif pf is not None:
             conv.conv_prefill_inplace(conv_pool, pf[0], pf[1], x_pf, w, b, pf[2], out=u_pf)
         q, k, v, g = self._project(u, tape)
         if dec is not None:
@@ -228,7 +249,8 @@ class LaplaceVllmMixer(LaplaceMixer, MambaBase):
             qp, kp, vp = q[nd:], k[nd:], v[nd:]
             if tape is not None:
                 tape.step(qp, kp, vp)
-            gla_prefill.gla_prefill_inplace(gla_pool, pf[0], pf[1], qp, kp, vp, self.g_gamma, pf[2], out=o_pf)
+            gla_prefill.gla_prefill_inplace(gla_pool, pf[0], pf[1], qp, kp, vp, self.g_gamma, pf[2],
+                                            path="serial" if whole else None, out=o_pf)
         self._mix_out_fused(q, k, v, g, o, residual, tape)
 
     def _project(self, u, tape):

@@ -41,4 +41,9 @@ def register() -> None:
     ops = getattr(CompilationConfig, "_attention_ops", None)
     if isinstance(ops, list) and OP not in ops:
         ops.append(OP)
+
+    # the OpenAI server's token budget a step, where the user sets none: the size of the whole-step
+    # CUDA graphs (export/full_graph.py)
+    from export.full_graph import install_budget_default
+    install_budget_default()
     _done = True

@@ -97,16 +97,69 @@ if triton is not None:
                 tl.store(u_ptr + rows[:, None] * su_t + rd[None, :], acc.to(u_ptr.dtype.element_ty), mask=mt)
 
         if seg0 == 0:
-            # the new window: row j holds the input at eos - C + j (from the old window when before bos)
-            j = tl.arange(0, BC)
-            src = eos - C + j
+            _new_window(x_ptr, win, bos, eos, keep, rd, md, sx_t, sp_c, C, BC)
+
+    @triton.jit
+    def _new_window(x_ptr, win, bos, eos, keep, rd, md, sx_t, sp_c, C: tl.constexpr, BC: tl.constexpr):
+        """Write request [bos, eos)'s new window to `win` (its page, at channels rd): row j holds the
+        input at eos - C + j (from the old window when before bos).  A request of no tokens (a row
+        padding a CUDA-graph batch, whose slot may be another request's) leaves the page alone."""
+        j = tl.arange(0, BC)
+        src = eos - C + j
+        in_x = (src >= bos)[:, None]
+        mj = (j < C)[:, None] & md[None, :]
+        xs = tl.load(x_ptr + src[:, None] * sx_t + rd[None, :], mask=mj & in_x, other=0.0)
+        ws = tl.load(win + (C + src - bos)[:, None] * sp_c, mask=mj & (~in_x) & keep, other=0.0)
+        new = xs.to(tl.float32) + ws
+        tl.debug_barrier()      # every thread's reads of the old window happen before the write
+        tl.store(win + j[:, None] * sp_c, new, mask=mj & (eos > bos))
+
+    @triton.jit(do_not_specialize=["T", "R"],
+                do_not_specialize_on_alignment=["slots_ptr", "keep_ptr", "cu_ptr", "req_ptr"])
+    def _conv_rows_kernel(x_ptr, u_ptr, pool_ptr, slots_ptr, keep_ptr, cu_ptr, req_ptr, w_ptr, b_ptr, T, R,
+                          sx_t, su_t, sp_slot, sp_c, sp_d, sw_d, sw_c,
+                          D: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
+                          SILU: tl.constexpr):
+        # program (token tile, channel block): BT consecutive rows of the packed step, whatever
+        # requests they belong to (req_ptr: each row's request, R for rows after the last); the
+        # windows are read here and written by `_conv_window_kernel`, launched after
+        rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+        rd = tl.program_id(1) * BD + tl.arange(0, BD)
+        md = rd < D
+        in_t = rows < T
+        r = tl.load(req_ptr + rows, mask=in_t, other=R)
+        valid = in_t & (r < R)
+        bos = tl.load(cu_ptr + r, mask=valid, other=0).to(tl.int64)
+        slot = tl.load(slots_ptr + r, mask=valid, other=0).to(tl.int64)
+        keep = tl.load(keep_ptr + r, mask=valid, other=0) != 0
+        m = valid[:, None] & md[None, :]
+        acc = tl.full((BT, BD), 0.0, tl.float32) + tl.load(b_ptr + rd, mask=md, other=0.0).to(tl.float32)[None, :]
+        for c in tl.static_range(C):
+            src = rows - (C - 1 - c)                                    # the input this tap reads
             in_x = (src >= bos)[:, None]
-            mj = (j < C)[:, None] & md[None, :]
-            xs = tl.load(x_ptr + src[:, None] * sx_t + rd[None, :], mask=mj & in_x, other=0.0)
-            ws = tl.load(win + (C + src - bos)[:, None] * sp_c, mask=mj & (~in_x) & keep, other=0.0)
-            new = xs.to(tl.float32) + ws
-            tl.debug_barrier()      # every thread's reads of the old window happen before the write
-            tl.store(win + j[:, None] * sp_c, new, mask=mj)
+            xs = tl.load(x_ptr + src[:, None] * sx_t + rd[None, :], mask=m & in_x, other=0.0)
+            ws = tl.load(pool_ptr + slot[:, None] * sp_slot + (C + src - bos)[:, None] * sp_c + rd[None, :] * sp_d,
+                         mask=m & (~in_x) & keep[:, None], other=0.0)
+            wc = tl.load(w_ptr + rd * sw_d + c * sw_c, mask=md, other=0.0).to(tl.float32)
+            acc += (xs.to(tl.float32) + ws) * wc[None, :]
+        if SILU:
+            acc = acc / (1.0 + tl.exp(-acc))
+        # rows of no request get zeros (deterministic padding rows for the steps after)
+        acc = tl.where(m, acc, 0.0)
+        tl.store(u_ptr + rows[:, None] * su_t + rd[None, :], acc.to(u_ptr.dtype.element_ty),
+                 mask=in_t[:, None] & md[None, :])
+
+    @triton.jit(do_not_specialize_on_alignment=["slots_ptr", "keep_ptr", "cu_ptr"])
+    def _conv_window_kernel(x_ptr, pool_ptr, slots_ptr, keep_ptr, cu_ptr, sx_t, sp_slot, sp_c, sp_d,
+                            D: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+        r = tl.program_id(0)
+        rd = tl.program_id(1) * BD + tl.arange(0, BD)
+        md = rd < D
+        bos = tl.load(cu_ptr + r).to(tl.int64)
+        eos = tl.load(cu_ptr + r + 1).to(tl.int64)
+        slot = tl.load(slots_ptr + r).to(tl.int64)
+        keep = tl.load(keep_ptr + r) != 0
+        _new_window(x_ptr, pool_ptr + slot * sp_slot + rd * sp_d, bos, eos, keep, rd, md, sx_t, sp_c, C, BC)
 
 
 def conv_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor, x: torch.Tensor,
@@ -152,6 +205,49 @@ def conv_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Te
         weight.stride(0), weight.stride(-1)),
         dict(D=D, C=C, BC=triton.next_power_of_2(C), BD=block_d, BT=block_t, SEG=seg, SILU=silu,
              num_warps=NUM_WARPS)))
+    return u
+
+
+def conv_rows_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor, x: torch.Tensor,
+                      weight: torch.Tensor, bias: torch.Tensor, cu_seqlens: torch.Tensor, silu: bool = True,
+                      block_t: int = BLOCK_T, block_d: int = BLOCK_D,
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`conv_prefill_inplace`'s result for a whole step whose requests may be of any lengths, decode
+    rows as one-token requests, with launch grids that depend on T and R only: the step can be
+    captured once as a CUDA graph and replayed for any batch of that size (export/full_graph.py).
+
+    Arguments as `conv_prefill_inplace`; rows from cu_seqlens[R] to T (padding) get zeros, and
+    requests of no tokens (padding rows of vLLM's padded batch) leave their pages untouched.  Three
+    launches: each row's request (`torch.searchsorted` over cu_seqlens), the conv over tiles of
+    block_t rows (any requests; windows read), then each request's new window (written after every
+    read of the old one)."""
+    require("export.ops.conv")
+    T, D = x.shape
+    C = weight.shape[-1]
+    R = slots.shape[0]
+    if pool.dtype != torch.float32 or tuple(pool.shape[1:]) != (C, D):
+        raise ValueError(f"conv pool {tuple(pool.shape)} {pool.dtype}: want [*, {C}, {D}] float32")
+    if cu_seqlens.shape[0] != R + 1:
+        raise ValueError(f"cu_seqlens has {cu_seqlens.shape[0]} entries for {R} requests: want R + 1")
+    u = checked_out(out, (T, D), x.dtype) if out is not None else \
+        scratch(torch.empty_like(x, memory_format=torch.contiguous_format))
+    if R == 0 or T == 0:
+        return u
+    x = rowmajor(x)
+    block_d = min(block_d, triton.next_power_of_2(D))
+    cu = cu_seqlens.to(torch.int32).contiguous()
+    slots = slots.to(torch.long).contiguous()
+    keep8 = keep.to(torch.int8).contiguous()
+    rows = torch.arange(T, device=x.device, dtype=torch.int32)
+    req = scratch(torch.searchsorted(cu[1:], rows, right=True, out_int32=True))
+    run(Launch(_conv_rows_kernel, (triton.cdiv(T, block_t), triton.cdiv(D, block_d)), (
+        x, u, pool, slots, keep8, cu, req, weight, bias, T, R,
+        x.stride(0), u.stride(0), pool.stride(0), pool.stride(1), pool.stride(2),
+        weight.stride(0), weight.stride(-1)),
+        dict(D=D, C=C, BD=block_d, BT=block_t, SILU=silu, num_warps=NUM_WARPS)))
+    run(Launch(_conv_window_kernel, (R, triton.cdiv(D, block_d)), (
+        x, pool, slots, keep8, cu, x.stride(0), pool.stride(0), pool.stride(1), pool.stride(2)),
+        dict(D=D, C=C, BC=triton.next_power_of_2(C), BD=block_d, num_warps=NUM_WARPS)))
     return u
 
 

@@ -8,6 +8,11 @@ Per chunk of BT rows (n real tokens; rows i, columns j; all exponents <= 0):
     o = ((q k^T) ⊙ [i >= j] e^{γ(i-j)}) v  +  e^{γ(i+1)} (q S)          (`_chunk_output`)
     U = (k ⊙ [j < n] e^{γ(n-1-j)})^T v                                   (`_chunk_state`)
 
+A chunk of one token (a decode row of a step run as one CUDA graph, export/full_graph.py) takes the
+decode step's math in both paths instead: S' = e^γ S + k v^T (`_one_token_state`, the same value as
+`_chunk_state` for n = 1), o = K^-0.5 S'^T q as a float32 sum, no tensor-core products over masked
+rows and no rounding of the state to bf16.
+
 `_modes` picks the products' operand precision (the precision notes are in gla_prefill's doc).
 """
 from typing import Optional
@@ -47,6 +52,21 @@ if triton is not None:
     def _head_rows(ptr, rows, s_t, h, s_h, cols, mt, mc):
         """ptr[rows, h, cols] as a [rows, cols] tile (masked rows and columns read as 0)."""
         return tl.load(ptr + rows[:, None] * s_t + h * s_h + cols[None, :], mask=mt[:, None] & mc[None, :], other=0.0)
+
+    @triton.jit
+    def _head_row(ptr, row, s_t, h, s_h, cols, mc):
+        """ptr[row, h, cols] as a float32 vector (masked columns read as 0)."""
+        return tl.load(ptr + row * s_t + h * s_h + cols, mask=mc, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _one_token_state(s, k1, v1, g, MODE: tl.constexpr):
+        """The state after a chunk of one token, e^γ S + k v^T, as a vector outer product: the value
+        `_chunk_state` gives for n = 1 (its operands rounded as MODE rounds them: bf16 for 2), without
+        a tensor-core product over BT - 1 masked rows."""
+        if MODE == 2:
+            k1 = k1.to(tl.bfloat16).to(tl.float32)
+            v1 = v1.to(tl.bfloat16).to(tl.float32)
+        return tl.exp(g * 1.0) * s + k1[:, None] * v1[None, :]
 
     @triton.jit
     def _chunk_decays(g, rt):

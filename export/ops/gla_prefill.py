@@ -16,7 +16,10 @@ columns j of the chunk; all exponents <= 0):
     S     = e^{γn} S + (k ⊙ [j < n] e^{γ(n-1-j)})^T v
 
 The padding rows of a partial last chunk load as zeros and get decay weight 0 (a select: their
-e^{γ(n-1-j)} would be a positive exponent).
+e^{γ(n-1-j)} would be a positive exponent).  A chunk of one token takes the decode step's float32
+math instead (S = λS + k v^T, o = K^-0.5 S^T q, as ops/gla_decode.py; gla_chunk_math's doc): a step
+that runs as one CUDA graph (export/full_graph.py) sends its decode rows here as one-token
+requests.  A request of no tokens (a row padding such a step) leaves its page untouched.
 
 Precision: the state and every accumulation are float32.  `precision` picks the operands of the
 three products that involve float32 intermediates (the masked scores, the state, the decayed keys):
@@ -42,7 +45,8 @@ from typing import Iterator, Optional
 import torch
 
 from export.ops import gla_prefill_chunked as chunked
-from export.ops.gla_chunk_math import _chunk_decays, _chunk_output, _chunk_state, _head_rows, _modes, _tile_ranges
+from export.ops.gla_chunk_math import (_chunk_decays, _chunk_output, _chunk_state, _head_row, _head_rows, _modes,
+                                       _one_token_state, _tile_ranges)
 from export.ops.gla_chunk_math import default_precision  # noqa: F401  (gla_prefill.default_precision)
 from export.ops.launch_keys import Launch, run, scratch
 from export.ops.triton_switch import checked_out, interpreting, require, rowmajor, tl, triton
@@ -88,18 +92,28 @@ if triton is not None:
         s = tl.where(keep != 0, s, 0.0)
 
         for t0 in range(bos, eos, BT):
-            rows = t0 + rt
-            mt = rows < eos
-            n = tl.minimum(eos - t0, BT).to(tl.float32)                  # real tokens here
-            q = _head_rows(q_ptr, rows, sq_t, h, sq_h, rk, mt, mk)
-            k = _head_rows(k_ptr, rows, sk_t, h, sk_h, rk, mt, mk)
-            v = _head_rows(v_ptr, rows, sv_t, h, sv_h, rv, mt, mv)
-            o = _chunk_output(q, k, v, s, dmask, qdec, QK_MODE, MODE, EMULATE)     # uses S entering the chunk
-            tl.store(o_ptr + rows[:, None] * so_t + h * so_h + rv[None, :],
-                     (o * scale).to(o_ptr.dtype.element_ty), mask=mt[:, None] & mv[None, :])
-            s = tl.exp(g * n) * s + _chunk_state(k, v, g, n, rt, MODE, EMULATE)
+            if eos - t0 == 1:
+                # one token (gla_chunk_math's doc): the decode step's float32 math
+                q1 = _head_row(q_ptr, t0, sq_t, h, sq_h, rk, mk)
+                s = _one_token_state(s, _head_row(k_ptr, t0, sk_t, h, sk_h, rk, mk),
+                                     _head_row(v_ptr, t0, sv_t, h, sv_h, rv, mv), g, MODE)
+                tl.store(o_ptr + t0 * so_t + h * so_h + rv,
+                         (tl.sum(s * q1[:, None], axis=0) * scale).to(o_ptr.dtype.element_ty), mask=mv)
+            else:
+                rows = t0 + rt
+                mt = rows < eos
+                n = tl.minimum(eos - t0, BT).to(tl.float32)                  # real tokens here
+                q = _head_rows(q_ptr, rows, sq_t, h, sq_h, rk, mt, mk)
+                k = _head_rows(k_ptr, rows, sk_t, h, sk_h, rk, mt, mk)
+                v = _head_rows(v_ptr, rows, sv_t, h, sv_h, rv, mt, mv)
+                o = _chunk_output(q, k, v, s, dmask, qdec, QK_MODE, MODE, EMULATE)  # uses S entering the chunk
+                tl.store(o_ptr + rows[:, None] * so_t + h * so_h + rv[None, :],
+                         (o * scale).to(o_ptr.dtype.element_ty), mask=mt[:, None] & mv[None, :])
+                s = tl.exp(g * n) * s + _chunk_state(k, v, g, n, rt, MODE, EMULATE)
 
-        tl.store(s_ptrs, s, mask=s_mask)
+        # a request with no tokens (a row that pads a CUDA-graph batch) leaves its page alone: its
+        # slot may be another request's
+        tl.store(s_ptrs, s, mask=s_mask & (eos > bos))
 
 
 

@@ -18,7 +18,9 @@ rows t0 = cu[r] + j·BT ... with n ≤ BT real tokens; exponents ≤ 0):
         o = ((q k^T) ⊙ [i >= j] e^{γ(i-j)}) v + e^{γ(i+1)} (q S_c)          (times K^-0.5)
 
 Every product and sum is the serial kernel's, in the same order and precision (both call the
-`_chunk_state` and `_chunk_output` of export/ops/gla_chunk_math.py, with its `_modes`): U_c is the
+`_chunk_state` and `_chunk_output` of export/ops/gla_chunk_math.py, with its `_modes`, and both give
+a chunk of one token the decode step's math, there described; a request of no tokens leaves its
+page untouched in both): U_c is the
 float32 product the serial kernel adds to its state, so the two paths agree to the last bit where
 the products do (the CPU interpreter), and `export.checks.prefill_tolerance` bounds both against
 float64.
@@ -39,7 +41,8 @@ from typing import Optional
 
 import torch
 
-from export.ops.gla_chunk_math import _chunk_decays, _chunk_output, _chunk_state, _head_rows, _modes, _tile_ranges
+from export.ops.gla_chunk_math import (_chunk_decays, _chunk_output, _chunk_state, _head_row, _head_rows, _modes,
+                                       _tile_ranges)
 from export.ops.launch_keys import Launch, run, scratch
 from export.ops.triton_switch import interpreting, tl, triton
 
@@ -145,10 +148,10 @@ if triton is not None:
             s = tl.exp(g * n) * s + u0
             u0 = u1
             u1 = u2
-        tl.store(s_pool, s, mask=m)
+        tl.store(s_pool, s, mask=m & (eos > bos))     # as the serial kernel: no tokens, page untouched
 
     @triton.jit(do_not_specialize=["R"], do_not_specialize_on_alignment=_IDX)
-    def _chunk_out_kernel(q_ptr, k_ptr, v_ptr, o_ptr, buf_ptr, cu_ptr, g_gamma_ptr, R,
+    def _chunk_out_kernel(q_ptr, k_ptr, v_ptr, o_ptr, buf_ptr, u_ptr, cu_ptr, g_gamma_ptr, R,
                           sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sb_c, sb_h, sb_k,
                           scale,
                           K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -160,14 +163,22 @@ if triton is not None:
         g = tl.load(g_gamma_ptr + h).to(tl.float32)
         rk, rv, rt, mk, mv = _tile_ranges(vb, K, V, BK, BV, BT)
         dmask, qdec = _chunk_decays(g, rt)
-        s = tl.load(buf_ptr + c.to(tl.int64) * sb_c + h * sb_h + rk[:, None] * sb_k + rv[None, :],
-                    mask=mk[:, None] & mv[None, :] & (t0 < eos), other=0.0)
-        q = _head_rows(q_ptr, rows, sq_t, h, sq_h, rk, mt, mk)
-        k = _head_rows(k_ptr, rows, sk_t, h, sk_h, rk, mt, mk)
-        v = _head_rows(v_ptr, rows, sv_t, h, sv_h, rv, mt, mv)
-        o = _chunk_output(q, k, v, s, dmask, qdec, QK_MODE, MODE, EMULATE)
-        tl.store(o_ptr + rows[:, None] * so_t + h * so_h + rv[None, :],
-                 (o * scale).to(o_ptr.dtype.element_ty), mask=mt[:, None] & mv[None, :])
+        at = c.to(tl.int64) * sb_c + h * sb_h + rk[:, None] * sb_k + rv[None, :]
+        s = tl.load(buf_ptr + at, mask=mk[:, None] & mv[None, :] & (t0 < eos), other=0.0)
+        if eos - t0 == 1:
+            # one token: the serial kernel's decode math, S' = e^γ S + U (U: the local kernel's,
+            # `_one_token_state`'s value), o = S'^T q as a float32 sum
+            s = tl.exp(g * 1.0) * s + tl.load(u_ptr + at, mask=mk[:, None] & mv[None, :], other=0.0)
+            q1 = _head_row(q_ptr, t0, sq_t, h, sq_h, rk, mk)
+            tl.store(o_ptr + t0 * so_t + h * so_h + rv,
+                     (tl.sum(s * q1[:, None], axis=0) * scale).to(o_ptr.dtype.element_ty), mask=mv)
+        else:
+            q = _head_rows(q_ptr, rows, sq_t, h, sq_h, rk, mt, mk)
+            k = _head_rows(k_ptr, rows, sk_t, h, sk_h, rk, mt, mk)
+            v = _head_rows(v_ptr, rows, sv_t, h, sv_h, rv, mt, mv)
+            o = _chunk_output(q, k, v, s, dmask, qdec, QK_MODE, MODE, EMULATE)
+            tl.store(o_ptr + rows[:, None] * so_t + h * so_h + rv[None, :],
+                     (o * scale).to(o_ptr.dtype.element_ty), mask=mt[:, None] & mv[None, :])
 
 
 @functools.lru_cache(maxsize=None)
@@ -238,7 +249,7 @@ def gla_prefill_chunked(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Ten
                 pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3)),
                dict(K=K, V=V, BE=PASS_BLOCK, BT=chunk, num_warps=PASS_WARPS, num_stages=PASS_STAGES)))
     run(Launch(_chunk_out_kernel, (n_chunks, H, n_vb),
-               (q, k, v, o, s_buf, cu_seqlens, g_gamma, R, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+               (q, k, v, o, s_buf, u_buf, cu_seqlens, g_gamma, R, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                 v.stride(0), v.stride(1), o.stride(0), o.stride(1), *strides_b, float(K) ** -0.5),
                dict(K=K, V=V, BK=BK, BV=BV, BT=chunk, QK_MODE=qk_mode, MODE=mode, EMULATE=emulate,
                     num_warps=num_warps, num_stages=stages)))

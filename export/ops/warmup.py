@@ -16,9 +16,11 @@ launch's key depends on no batch property but two: which prefill kernel `prefill
 (serial or chunked), and whether the prefill kernels' rows, from row t0 (the step's decode tokens)
 of xn and of the step's conv, projection and GLA outputs, start 16-byte aligned — always where a
 row is a multiple of 16 bytes (the 3B model's are), else by t0's parity.  `warm_up` runs the mixer's
-own launch code once per variant: a decode row alone, and a prefill under each path alone and
-beside one decode row (t0 = 0, 1), all in the null slot 0 (which no sequence owns; CUDA-graph padding
-rows write there too) with zero initial states, into scratch outputs.
+own launch code once per variant: a decode row alone, a prefill under each path alone and
+beside one decode row (t0 = 0, 1), and the whole-step path of FULL-mode graphs
+(export/full_graph.py; its rows start at row 0 and its grids depend on sizes only), all in the
+null slot 0 (which no sequence owns; CUDA-graph padding rows write there too) with zero initial
+states, into scratch outputs.
 
 With prefix caching ('align' mode) one more kernel runs while serving, vLLM's own: before a step,
 its V1 runner copies each sequence's state pages between blocks with `batch_memcpy`
@@ -89,6 +91,11 @@ def warm_up(mixer, conv_pool: torch.Tensor, gla_pool: torch.Tensor) -> None:
             with gla_prefill.forced_path(path):
                 mixer._rows_fast(xn[:nd], xn[nd:nd + T], residual[:nd + T], conv_pool, gla_pool, dec,
                                  (slot, keep, cu))
+    # the whole-step path a FULL-mode graph captures (export/full_graph.py): a one-token request and
+    # a prefill, all rows from row 0.  Compiled here, not first inside the capture
+    slots2, keep2 = slot.expand(2), keep.expand(2)
+    mixer._rows_fast(xn[:0], xn[:T + 1], residual[:T + 1], conv_pool, gla_pool, None,
+                     (slots2, keep2, torch.tensor([0, 1, T + 1], device=dev, dtype=torch.int32)), whole=True)
     if mixer.mamba_cache_mode == "align":
         warm_state_copy((conv_pool, gla_pool))
 

@@ -11,7 +11,7 @@ torch = need("torch")
 import torch.nn.functional as F
 from export.reference import conv_with_state
 
-interpret = interpreter_fixture(conv._conv_prefill_kernel)
+interpret = interpreter_fixture(conv._conv_prefill_kernel, conv._conv_rows_kernel, conv._conv_window_kernel)
 
 
 def _conv_case(lens, pad_rows=0, seed=11, **launch):
@@ -115,3 +115,44 @@ def test_conv_writes_a_callers_row_block_and_checks_it(interpret):
     for bad in (torch.empty(19, D), torch.empty(20, D, dtype=torch.float64), torch.empty(D, 20).t()):
         with pytest.raises(ValueError, match="out .*want \\(20, 80\\) torch.float32 with last-dim stride 1"):
             conv.conv_prefill_inplace(pool.clone(), slots, keep, x, w, b, cu, out=bad)
+
+
+def test_conv_rows_as_a_whole_step_graph_runs_them():
+    """`conv_rows_inplace` (export/full_graph.py's steps): decode rows and prefill requests of any
+    length in one launch over row tiles, as vLLM pads a batch for a graph: two requests of no tokens
+    (seq_len 0) whose slots are live requests' pages (a stale block-table row), and rows after the
+    last request.  Each request's SiLU(conv) against torch conv_with_state, its new window exact; the
+    pages of the empty requests hold what the live requests wrote (not their old windows); padding
+    rows are zeros; everything else unchanged."""
+    g = torch.Generator().manual_seed(5)
+    C, D, S = 4, 80, 12
+    lens = [1, 1, 2, 1, 9, 40, 1, 3]
+    R = len(lens)
+    raw = torch.randn(S, 5 + C * D + 3, generator=g)
+    pool = raw[:, 5:5 + C * D].unflatten(1, (C, D))
+    slots = torch.randperm(S - 1, generator=g)[:R] + 1
+    keep = torch.tensor([i % 3 != 1 for i in range(R)])
+    pool[slots[~keep]] = float("nan")
+    before = raw.clone()
+    w, b = torch.randn(D, 1, C, generator=g), torch.randn(D, generator=g)
+    cu_real = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    n = int(cu_real[-1])
+    cu = torch.cat([cu_real, cu_real[-1:].repeat(2)])               # + two requests of no tokens
+    pad_slots = torch.cat([slots, slots[[4, 0]]])
+    pad_keep = torch.cat([keep, torch.tensor([True, True])])
+    x = torch.randn(n + 5, D, generator=g)
+    u = conv.conv_rows_inplace(pool, pad_slots, pad_keep, x, w, b, cu, block_t=8, block_d=32)
+    for r in range(R):
+        a, e = int(cu[r]), int(cu[r + 1])
+        win = torch.where(keep[r], before[slots[r], 5:5 + C * D].view(C, D), 0.0)
+        want_u, want_w = conv_with_state(x[a:e][None], win[None], w, b)
+        mag, _ = conv_with_state(x[a:e].abs()[None], win.abs()[None], w.abs(), b.abs())
+        tol = 1.1 * 2 * f32_sum_err(C + 1, mag[0]) + 4 * U32 * F.silu(want_u[0]).abs()
+        assert ((F.silu(want_u[0]) - u[a:e]).abs() <= tol).all(), r
+        assert torch.equal(pool[slots[r]], want_w[0]), r
+    assert torch.equal(u[n:], torch.zeros(5, D))
+    other = torch.ones_like(raw, dtype=torch.bool)
+    other[slots, 5:5 + C * D] = False
+    assert torch.equal(raw.view(torch.int32)[other], before.view(torch.int32)[other])
+    with pytest.raises(ValueError, match="cu_seqlens has 3 entries for 1 requests"):
+        conv.conv_rows_inplace(pool, slots[:1], keep[:1], x, w, b, cu[:3])

@@ -12,9 +12,9 @@ from conftest import import_interpreted, interpreter_fixture, need
 
 torch = need("torch")
 
-gla_prefill, checks = import_interpreted("export.ops.gla_prefill", "export.checks")
+gla_prefill, gla_decode, checks = import_interpreted("export.ops.gla_prefill", "export.ops.gla_decode", "export.checks")
 
-interpret = interpreter_fixture(gla_prefill._gla_prefill_kernel)
+interpret = interpreter_fixture(gla_prefill._gla_prefill_kernel, gla_decode._gla_decode_kernel)
 
 
 # K, V not powers of 2 (masked to BK, BV); chunk 16: partial chunks at 1, 15, 17, 40, 3.  The
@@ -57,3 +57,31 @@ def test_gla_prefill_out_dtype_is_float32_or_q_dtype():
     """o in another dtype than float32 or q's would be a silent extra rounding: refused."""
     with pytest.raises(ValueError, match="out_dtype torch.float16"):
         checks.prefill_errors("cpu", lengths=(3,), dtype=torch.bfloat16, out_dtype=torch.float16, **SMALL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_requests_take_the_decode_kernels_math(dtype):
+    """A step run as one CUDA graph sends its decode rows to the serial prefill kernel as one-token
+    requests (export/full_graph.py): their outputs and states equal the decode kernel's to the last
+    bit (the same float32 step, no chunk products, no bf16 rounding of the state), NaN pages of new
+    sequences included; a request of no tokens at the end, on a live request's page, leaves it."""
+    from export.reference import split_heads
+
+    H, K, V = 2, 24, 40
+    g = torch.Generator().manual_seed(4)
+    B = 6
+    proj = torch.randn(B, H * (2 * K + 2 * V), generator=g).to(dtype)
+    q, k, v, _ = split_heads(proj, H, K, V)
+    pool = torch.randn(9, H, K, V, generator=g)
+    slots = torch.tensor([3, 1, 7, 2, 8, 5])
+    keep = torch.tensor([True, False, True, True, False, True])
+    pool[slots[~keep]] = float("nan")
+    g_gamma = checks.check_g_gamma(H, "cpu")
+    p_dec = pool.clone()
+    o_dec = gla_decode.gla_decode_inplace(p_dec, slots, keep, q, k, v, g_gamma)
+    p_pf = pool.clone()
+    cu = torch.tensor([*range(B + 1), B], dtype=torch.int32)          # + a request of no tokens
+    o_pf = gla_prefill.gla_prefill_inplace(p_pf, torch.cat([slots, slots[:1]]), torch.cat([keep, keep[:1]]),
+                                           q, k, v, g_gamma, cu, 16, path="serial")
+    assert torch.equal(o_pf, o_dec)
+    assert torch.equal(p_pf.view(torch.int32), p_dec.view(torch.int32))

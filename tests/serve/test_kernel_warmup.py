@@ -30,7 +30,8 @@ LENGTHS = (1, 2, 15, 16, 17, 63, 64, 65, 127, 128, 129, 300)
 
 
 # `available()` holds for CPU tensors under TRITON_INTERPRET=1; one test runs the kernels
-interpret = interpreter_fixture(conv._conv_prefill_kernel, gated_mix._gated_mix_kernel, gla_decode._gla_decode_kernel,
+interpret = interpreter_fixture(conv._conv_prefill_kernel, conv._conv_rows_kernel, conv._conv_window_kernel,
+                                gated_mix._gated_mix_kernel, gla_decode._gla_decode_kernel,
                                 gla_prefill._gla_prefill_kernel, chunked._chunk_local_kernel,
                                 chunked._chunk_pass_kernel, chunked._chunk_out_kernel)
 
@@ -78,23 +79,32 @@ def _random_step(rng: random.Random, num_blocks: int):
                                    state_indices_tensor=slots)
 
 
-def _step_keys(m, md, monkeypatch, pad_rows: int) -> set:
+def _step_keys(m, md, monkeypatch, pad_rows: int, whole: bool = False) -> set:
+    """The keys of the step's launches: by `_forward` (an eager step), or with `whole` by the path a
+    FULL-mode CUDA graph captures (`_rows_graph`, export/full_graph.py) on the same step."""
+    from export import step_index
+
     n = md.num_decode_tokens + md.num_prefill_tokens
     xn = torch.randn(n + pad_rows, m.cfg.d_model).to(m.w_qkvg.weight.dtype)
     residual = torch.zeros_like(xn)
     monkeypatch.setattr(m, "_metadata", lambda: md)
     with launch_keys.recording() as launches:
-        m._forward(xn, residual)
+        if whole:
+            m._rows_graph(step_index.derive(md), xn, residual, *m._pools())
+        else:
+            m._forward(xn, residual)
     return launch_keys.keys(launches)
 
 
-@pytest.mark.parametrize("arch,dtype,variants", [(ODD, torch.bfloat16, 9), (EVEN, torch.bfloat16, 8),
-                                                 (EVEN, torch.float32, 8)], ids=["D36-bf16", "D40-bf16", "D40-f32"])
+@pytest.mark.parametrize("arch,dtype,variants", [(ODD, torch.bfloat16, 11), (EVEN, torch.bfloat16, 10),
+                                                 (EVEN, torch.float32, 10)], ids=["D36-bf16", "D40-bf16", "D40-f32"])
 def test_warm_up_covers_random_steps(arch, dtype, variants, monkeypatch):
     """Over 60 random steps (decode rows, prefill requests of 1 ... 300 tokens, mixes, padding
-    rows) every key is one the warm-up recorded; the warm-up set is small and fixed: decode conv,
-    decode GLA, gated mix (shared by decode and prefill), prefill conv (twice where a row of xn is
-    not a multiple of 16 bytes), serial GLA prefill, the three chunked-prefill kernels."""
+    rows), run eagerly and by the whole-step graph path, every key is one the warm-up recorded; the
+    warm-up set is small and fixed: decode conv, decode GLA, gated mix (shared by decode and
+    prefill), prefill conv (twice where a row of xn is not a multiple of 16 bytes), serial GLA
+    prefill, the three chunked-prefill kernels, and the whole-step path's row-tiled conv and window
+    kernels."""
     m, warm = _bound_mixer(arch, dtype)
     names = sorted(k[0] for k in warm)
     assert len(warm) == variants, names
@@ -104,7 +114,9 @@ def test_warm_up_covers_random_steps(arch, dtype, variants, monkeypatch):
         md = _random_step(rng, 40)
         keys = _step_keys(m, md, monkeypatch, pad_rows=rng.randint(0, 3))
         assert keys <= warm, (md, keys - warm)
-        seen |= keys
+        whole = _step_keys(m, md, monkeypatch, pad_rows=rng.randint(0, 3), whole=True)
+        assert whole <= warm, (md, whole - warm)
+        seen |= keys | whole
         paths |= {k[0] for k in keys if "chunk" in k[0] or k[0] == "_gla_prefill_kernel"}
     assert paths == {"_gla_prefill_kernel", "_chunk_local_kernel", "_chunk_pass_kernel", "_chunk_out_kernel"}
     assert seen == warm            # and the warm-up compiles nothing a step cannot reach

@@ -14,8 +14,9 @@ torch = need("torch")
 conv, gla_decode, gla_prefill, gated_mix, checks = import_interpreted(
     "export.ops.conv", "export.ops.gla_decode", "export.ops.gla_prefill", "export.ops.gated_mix", "export.checks")
 
-interpret = interpreter_fixture(conv._conv_prefill_kernel, gla_decode._gla_decode_kernel,
-                                gla_prefill._gla_prefill_kernel, gated_mix._gated_mix_kernel)
+interpret = interpreter_fixture(conv._conv_prefill_kernel, conv._conv_rows_kernel, conv._conv_window_kernel,
+                                gla_decode._gla_decode_kernel, gla_prefill._gla_prefill_kernel,
+                                gated_mix._gated_mix_kernel)
 
 
 def _layer(seed: int, prefix: str):
@@ -120,6 +121,53 @@ def test_vllm_mixer_triton_prefill_equals_torch_path(mixer, monkeypatch):
     assert torch.equal(raw_t[others].view(torch.int32), raw[others].view(torch.int32))
     edges = torch.cat([raw_t[:, :3], raw_t[:, gs.stop:]], 1), torch.cat([raw[:, :3], raw[:, gs.stop:]], 1)
     assert torch.equal(edges[0].view(torch.int32), edges[1].view(torch.int32))     # NaN-aware
+
+
+def test_whole_step_graph_path_equals_torch_path(mixer, monkeypatch):
+    """The path a FULL-mode CUDA graph captures (`_rows_graph`, export/full_graph.py) on a step as vLLM
+    pads it for a graph: 3 decode rows, prefill requests of 2, 17 and 1 tokens, two requests of no
+    tokens (seq_len 0) whose stale slots are live requests' pages, 5 rows after the last request.
+    Against the torch path on the unpadded step: outputs and states within the bounds of the mixed
+    step's test, conv windows equal, the live pages not overwritten by the empty requests."""
+    from export import step_index
+
+    m = mixer
+    C, D, H, K, V = m.cfg.conv_kernel, m.cfg.d_model, m.H, m.K, m.V
+    g = torch.Generator().manual_seed(12)
+    lens, ctx, slots = [2, 17, 1], [4, 9, 1, 0, 6, 0], [6, 2, 9, 4, 11, 3]
+    md = _step(3, lens, ctx, slots)
+    n = 3 + sum(lens)
+    padded = _step(3, lens + [0, 0], ctx + [0, 0], slots + [2, 4])
+    padded.seq_lens[-2:] = 0
+    raw = torch.randn(13, 3 + C * D + H * K * V + 5, generator=g)
+    for r, c in enumerate(ctx):
+        if c == 0:
+            raw[slots[r]] = float("nan")
+    xn = torch.randn(n + 5, D, generator=g)
+    res = torch.randn(n + 5, D, generator=g)
+    raw_t = raw.clone()
+    want = _run(m, raw, md, xn[:n], res, n, False, monkeypatch)
+    conv_pool = raw_t[:, 3:3 + C * D].unflatten(1, (C, D))
+    gla_pool = raw_t[:, 3 + C * D: 3 + C * D + H * K * V].unflatten(1, (H, K, V))
+    got = res.clone()
+    monkeypatch.setenv("LAPLACE_VLLM_TRITON", "1")
+    with torch.no_grad():
+        m._rows_graph(step_index.derive(padded), xn, got, conv_pool, gla_pool)
+    post = 2 * 2 * (6 * V ** 0.5 / 2 + 20) * U32
+    tol = 2 * 2 * checks.prefill_tolerance("ieee", gla_prefill.CHUNK, K) + post + 2 * 6 * D * U32
+    starts = md.query_start_loc.tolist()
+    for r, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
+        assert torch.isfinite(got[a:b]).all(), r
+        mix = want[a:b] - res[a:b]
+        assert float((got[a:b] - want[a:b]).norm()) <= tol * float(mix.norm()) + 2 * U32 * float(want[a:b].norm()), r
+    cs = slice(3, 3 + C * D)
+    gs = slice(3 + C * D, 3 + C * D + H * K * V)
+    assert torch.equal(raw_t[slots][:, cs], raw[slots][:, cs])
+    for s in slots:
+        rel = float((raw_t[s, gs] - raw[s, gs]).norm() / raw[s, gs].norm())
+        assert rel <= 2 * checks.prefill_tolerance("ieee", gla_prefill.CHUNK, K)
+    others = [s for s in range(13) if s not in slots]
+    assert torch.equal(raw_t[others].view(torch.int32), raw[others].view(torch.int32))
 
 
 def test_step_index_once_per_step_and_as_derived(mixer, monkeypatch):

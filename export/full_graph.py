@@ -1,0 +1,158 @@
+"""Whole vLLM steps as CUDA graphs: vLLM's FULL mode for Laplace, and the defaults that pick it.
+
+Why: under vLLM's default FULL_AND_PIECEWISE mode a step with a prefill runs the 24 mixers eagerly,
+between the CUDA-graph pieces of the rest of the model; their host time (7.6 ms a step for a lone
+prompt and 11.2 ms beside 12 decodes on an H100, where the Llama peer's whole forward takes 3.6-5.2
+ms; BENCHMARKS.md run S19 b) is what a new request's first token and the running requests' next
+tokens wait on.  In FULL mode vLLM captures the whole forward, mixers included, once for each of
+its capture sizes, and replays it for any batch of up to that many tokens: a step costs the host
+one graph launch.
+
+What it takes (each checked by tests/serve/test_full_graph.py):
+- launch grids that depend only on the step's padded size.  Inside a FULL capture the mixer
+  (`LaplaceVllmMixer._rows_graph`) runs every request of the step, decode rows as one-token
+  requests, through `conv.conv_rows_inplace` (tiles of rows, whatever their requests) and the
+  serial prefill kernel (a program per request, head and value block; a one-token chunk takes the
+  decode step's math).  The Python that picks paths by the batch's decode and prefill counts runs
+  once, at capture, so it cannot be used there.
+- metadata at fixed addresses: `StateMetadataBuilder` copies the state indices into a buffer of its
+  own (vLLM's query_start_loc and seq_lens are its persistent input buffers already) and declares
+  `AttentionCGSupport.ALWAYS`; vLLM's LINEAR builder declares single-token decodes only, for which
+  vLLM turns FULL into FULL_AND_PIECEWISE.
+- padding: vLLM pads a replayed batch with requests of no tokens (seq_len 0: step_index sends their
+  slots to the null page) and with rows after the last request; the kernels leave the pages of
+  requests without tokens untouched and give padding rows zeros.
+
+The defaults (`choose`, from the config hook; `budget_tokens`, from vLLM's engine arguments): FULL
+where the user set no cudagraph_mode, on CUDA with Model Runner V2 and without prefix caching
+(whose 'align' state indices come from a gather vLLM makes each step, which a graph would not
+follow), capture sizes up to GRAPH_TOKENS, and for the OpenAI server a token budget of GRAPH_TOKENS
+a step: a long prompt is prefilled in chunks (vLLM's chunked prefill) that each run as a graph, so a
+running request's next token waits on at most one such step (issue 32 item 4).  Larger steps (the
+offline engine's budget) run without graphs.  LAPLACE_VLLM_FULL_GRAPHS=0, or any cudagraph_mode or
+token budget of the user's own, keeps vLLM's defaults.
+"""
+import logging
+import os
+from collections.abc import Mapping
+
+import torch
+
+from vllm.config import CUDAGraphMode
+from vllm.v1.attention.backend import AttentionCGSupport
+from vllm.v1.attention.backends.linear_attn import LinearAttentionBackend, LinearAttentionMetadataBuilder
+
+ENV = "LAPLACE_VLLM_FULL_GRAPHS"
+ARCH = "LaplaceForCausalLM"
+# Tokens of the largest captured step, and the OpenAI server's token budget a step.  A 2,048-token
+# prompt is prefilled in two graph-sized steps; one request's 1,024 tokens still fill the GPU's
+# GEMMs; the serial GLA kernel walks one request's 16 chunks of 64 in one of them.
+GRAPH_TOKENS = 1024
+log = logging.getLogger("vllm.laplace.full_graph")   # under vLLM's logger: its handler prints to the server log
+
+
+def wanted(*, user_mode: bool, cuda: bool, v2: bool, prefix_caching: bool, eager: bool,
+           environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether to serve with FULL graphs: the user chose no cudagraph_mode and did not switch this off,
+    on CUDA with Model Runner V2, without prefix caching or enforce_eager."""
+    return (environ.get(ENV, "1") != "0" and not user_mode and cuda and v2 and not prefix_caching
+            and not eager)
+
+
+def choose(vllm_config, environ: Mapping[str, str] = os.environ) -> bool:
+    """The config hook's part: FULL mode, graphs up to GRAPH_TOKENS (unless the user set capture
+    sizes), where `wanted`; whether it did.  Runs first in `VllmConfig.__post_init__`, while a mode the
+    user did not set is still None."""
+    from vllm.platforms import current_platform
+
+    cc = vllm_config.compilation_config
+    model = vllm_config.model_config
+    if not wanted(user_mode=cc.cudagraph_mode is not None, cuda=current_platform.is_cuda(),
+                  v2=environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1",
+                  prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
+                  eager=bool(model is not None and model.enforce_eager), environ=environ):
+        return False
+    cc.cudagraph_mode = CUDAGraphMode.FULL
+    if cc.max_cudagraph_capture_size is None and cc.cudagraph_capture_sizes is None:
+        cc.max_cudagraph_capture_size = GRAPH_TOKENS
+    log.info("Laplace: whole steps of up to %s tokens run as CUDA graphs (cudagraph_mode FULL; %s=0 "
+             "keeps vLLM's FULL_AND_PIECEWISE)", cc.max_cudagraph_capture_size, ENV)
+    return True
+
+
+def budget_tokens(args, usage_context, model_config) -> int | None:
+    """The OpenAI server's token budget a step for Laplace (vLLM's `max_num_batched_tokens`) where the
+    user set none and FULL graphs will be chosen: GRAPH_TOKENS (at least max_num_seqs, which vLLM
+    requires).  None: keep vLLM's.  args: vLLM's EngineArgs before its defaults are applied."""
+    from vllm.platforms import current_platform
+    from vllm.usage.usage_lib import UsageContext
+
+    if ARCH not in (getattr(model_config, "architectures", None) or []):
+        return None
+    if args.max_num_batched_tokens is not None or usage_context != UsageContext.OPENAI_API_SERVER:
+        return None
+    if args.enable_chunked_prefill is False:
+        return None
+    cc = args.compilation_config
+    mode = cc.get("cudagraph_mode") if isinstance(cc, dict) else getattr(cc, "cudagraph_mode", None)
+    if not wanted(user_mode=mode is not None, cuda=current_platform.is_cuda(), v2=True,
+                  prefix_caching=bool(args.enable_prefix_caching), eager=bool(args.enforce_eager)):
+        return None
+    return max(GRAPH_TOKENS, args.max_num_seqs or 0)
+
+
+def install_budget_default() -> None:
+    """Wrap vLLM's `EngineArgs._set_default_max_num_seqs_and_batched_tokens_args` (where it settles an
+    unset token budget by usage context) so that Laplace's OpenAI server gets `budget_tokens`."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    orig = EngineArgs._set_default_max_num_seqs_and_batched_tokens_args
+    if getattr(orig, "_laplace", False):
+        return
+
+    def with_laplace_budget(self, usage_context, model_config, *args, **kwargs):
+        budget = budget_tokens(self, usage_context, model_config)
+        orig(self, usage_context, model_config, *args, **kwargs)
+        if budget is not None:
+            self.max_num_batched_tokens = max(budget, self.max_num_seqs)
+            log.info("Laplace: %d tokens a step (whole steps run as CUDA graphs; --max-num-batched-tokens "
+                     "sets another)", self.max_num_batched_tokens)
+
+    with_laplace_budget._laplace = True
+    EngineArgs._set_default_max_num_seqs_and_batched_tokens_args = with_laplace_budget
+
+
+def capturing_whole_step(x: torch.Tensor, compilation_config) -> bool:
+    """Whether the mixer runs inside the capture of a FULL-mode graph (one that vLLM replays for any
+    batch of its size, decode-only or mixed), rather than a uniform-decode graph of
+    FULL_AND_PIECEWISE or an eager step."""
+    return (x.is_cuda and torch.cuda.is_current_stream_capturing()
+            and compilation_config.cudagraph_mode == CUDAGraphMode.FULL)
+
+
+class StateMetadataBuilder(LinearAttentionMetadataBuilder):
+    """vLLM's LINEAR metadata, with the state indices in a buffer of the builder's own (a graph
+    replays reads of the captured addresses) and full CUDA graphs declared for any batch."""
+
+    _cudagraph_support = AttentionCGSupport.ALWAYS
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._slots = torch.zeros(vllm_config.scheduler_config.max_num_seqs, dtype=torch.int32, device=device)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        md = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        n = md.state_indices_tensor.shape[0]
+        if n <= self._slots.shape[0]:
+            self._slots[:n].copy_(md.state_indices_tensor, non_blocking=True)
+            md.state_indices_tensor = self._slots[:n]
+        return md
+
+
+class StateBackend(LinearAttentionBackend):
+    """The LINEAR backend with `StateMetadataBuilder` (the mixer's `get_attn_backend` without prefix
+    caching)."""
+
+    @staticmethod
+    def get_builder_cls():
+        return StateMetadataBuilder
