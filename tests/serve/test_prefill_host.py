@@ -50,7 +50,8 @@ def test_smoke_rows_host_split_and_agreement(tmp_path):
     assert agree["prompt_lens"] == [37, 64, 5, 37, 64, 129]
     assert [len(t) for t in agree["tokens"]] == [8] * 6 and all(len(lp) == 8 for lp in agree["logprobs"])
     assert all(lp <= 0 for lps in agree["logprobs"] for lp in lps)
-    assert res["replay_vs_live_same_engine"] == {"tokens_equal": True, "max_abs_logprob_diff": 0.0}
+    assert res["replay_vs_live_same_engine"] == {"tokens_equal": True, "max_abs_logprob_diff": 0.0,
+                                                 "positions_compared": 48, "positions": 48}
 
 
 @pytest.mark.slow
