@@ -33,9 +33,11 @@ of a cache hit beside the decodes (issue 33), with each arrival's cached tokens 
 Then a few prompts of mixed lengths sent together, greedy, 8 tokens with their logprobs; for Laplace
 again in the same engine with LAPLACE_VLLM_REPLAY=0 (the tape off): tokens must be equal (the exit
 status says so) and the logprob difference is reported.  --replay-ab also runs a second Laplace child
-with the tape off, for its timings; --graphs-ab one with LAPLACE_VLLM_FULL_GRAPHS=0 (vLLM's
-FULL_AND_PIECEWISE graphs instead of whole-step ones, export/full_graph.py), whose agreement run must
-give the same tokens (a batch of five short prompts is prefilled in one graph-sized step).  Writes
+with the tape off, for its timings; --graphs-ab runs the first with LAPLACE_VLLM_FULL_GRAPHS=1
+(whole-step CUDA graphs, as vLLM's OpenAI server runs by default, export/full_graph.py) and a second
+with =0 (vLLM's FULL_AND_PIECEWISE, the offline engine's default), and compares their agreement runs
+(a batch of five short prompts is prefilled in one graph-sized step; --budget 128 makes every step
+mix prefill chunks with decodes).  Writes
 DIR/prefill_host.json and prints one row per model and length.
 """
 import argparse
@@ -366,8 +368,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--replay-ab", action="store_true",
                     help="Laplace also with LAPLACE_VLLM_REPLAY=0 (export/ops/launch_tape.py off)")
     ap.add_argument("--graphs-ab", action="store_true",
-                    help="Laplace also with LAPLACE_VLLM_FULL_GRAPHS=0 (vLLM's FULL_AND_PIECEWISE graphs, "
-                         "export/full_graph.py): its rows and whether its tokens are the same")
+                    help="Laplace with LAPLACE_VLLM_FULL_GRAPHS=1 (whole-step CUDA graphs, which vLLM's OpenAI "
+                         "server gets by default, export/full_graph.py) and again with =0 (vLLM's "
+                         "FULL_AND_PIECEWISE, the offline engine's default): both rows, and their agreement")
     ap.add_argument("--lengths", default=None, help="comma list of prompt lengths")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--decodes", type=int, default=0,
@@ -406,7 +409,7 @@ def main(argv=None) -> int:
     if a.model_dir is None:
         raise SystemExit("error: --model-dir FOLDER (a Laplace export, e.g. the serve benchmark's) is required")
     # (name, folder, environment): the A/B children switch one thing each
-    models = ([("laplace", a.model_dir, {})]
+    models = ([("laplace", a.model_dir, {"LAPLACE_VLLM_FULL_GRAPHS": "1"} if a.graphs_ab else {})]
               + ([("laplace_live", a.model_dir, {"LAPLACE_VLLM_REPLAY": "0"})] if a.replay_ab else [])
               + ([("laplace_pw", a.model_dir, {"LAPLACE_VLLM_FULL_GRAPHS": "0"})] if a.graphs_ab else [])
               + ([("llama", a.peer_dir, {})] if a.peer_dir else []))

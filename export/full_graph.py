@@ -23,14 +23,17 @@ What it takes (each checked by tests/serve/test_full_graph.py):
   slots to the null page) and with rows after the last request; the kernels leave the pages of
   requests without tokens untouched and give padding rows zeros.
 
-The defaults (`choose`, from the config hook; `budget_tokens`, from vLLM's engine arguments): FULL
-where the user set no cudagraph_mode, on CUDA with Model Runner V2 and without prefix caching
-(whose 'align' state indices come from a gather vLLM makes each step, which a graph would not
-follow), capture sizes up to GRAPH_TOKENS, and for the OpenAI server a token budget of GRAPH_TOKENS
-a step: a long prompt is prefilled in chunks (vLLM's chunked prefill) that each run as a graph, so a
-running request's next token waits on at most one such step (issue 32 item 4).  Larger steps (the
-offline engine's budget) run without graphs.  LAPLACE_VLLM_FULL_GRAPHS=0, or any cudagraph_mode or
-token budget of the user's own, keeps vLLM's defaults.
+The defaults: for the OpenAI server (`server_defaults`, from vLLM's engine arguments), FULL where
+the user set no cudagraph_mode, on CUDA with Model Runner V2 and without prefix caching (whose
+'align' state indices come from a gather vLLM makes each step, which a graph would not follow),
+capture sizes up to GRAPH_TOKENS, and where the user set no token budget, GRAPH_TOKENS a step: a long
+prompt is prefilled in chunks (vLLM's chunked prefill) that each run as a graph, so a running
+request's next token waits on at most one such step (issue 32 item 4).  Larger steps run without
+graphs.  The offline engine (`vllm.LLM`) keeps vLLM's FULL_AND_PIECEWISE: its decode steps run the
+one-token decode kernels, faster than decode rows through the whole-step path (one H100, 12 rows:
+4.47-4.56 against 5.25-5.28 ms a step, BENCHMARKS.md run S20 a), and its big prefill steps are
+outside any graph either way.  LAPLACE_VLLM_FULL_GRAPHS=1 asks for FULL in any engine (the config
+hook, `choose`), =0 in none; a cudagraph_mode or token budget of the user's own is kept.
 """
 import logging
 import os
@@ -51,18 +54,31 @@ GRAPH_TOKENS = 1024
 log = logging.getLogger("vllm.laplace.full_graph")   # under vLLM's logger: its handler prints to the server log
 
 
-def wanted(*, user_mode: bool, cuda: bool, v2: bool, prefix_caching: bool, eager: bool,
+def wanted(*, user_mode: bool, cuda: bool, v2: bool, prefix_caching: bool, eager: bool, server: bool,
            environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether to serve with FULL graphs: the user chose no cudagraph_mode and did not switch this off,
-    on CUDA with Model Runner V2, without prefix caching or enforce_eager."""
-    return (environ.get(ENV, "1") != "0" and not user_mode and cuda and v2 and not prefix_caching
-            and not eager)
+    """Whether to run whole steps as graphs: for the OpenAI server (LAPLACE_VLLM_FULL_GRAPHS=1: for
+    any engine; =0: for none), where the user chose no cudagraph_mode, on CUDA with Model Runner V2,
+    without prefix caching or enforce_eager."""
+    switch = environ.get(ENV)
+    if switch == "0" or not (server or switch == "1"):
+        return False
+    return not user_mode and cuda and v2 and not prefix_caching and not eager
+
+
+def _set_full(cc) -> None:
+    """FULL mode in compilation config `cc`, with graphs up to GRAPH_TOKENS unless sizes were set."""
+    cc.cudagraph_mode = CUDAGraphMode.FULL
+    if cc.max_cudagraph_capture_size is None and cc.cudagraph_capture_sizes is None:
+        cc.max_cudagraph_capture_size = GRAPH_TOKENS
+    log.info("Laplace: whole steps of up to %s tokens run as CUDA graphs (cudagraph_mode FULL; %s=0 "
+             "keeps vLLM's FULL_AND_PIECEWISE)", cc.max_cudagraph_capture_size or "vLLM's largest", ENV)
 
 
 def choose(vllm_config, environ: Mapping[str, str] = os.environ) -> bool:
-    """The config hook's part: FULL mode, graphs up to GRAPH_TOKENS (unless the user set capture
-    sizes), where `wanted`; whether it did.  Runs first in `VllmConfig.__post_init__`, while a mode the
-    user did not set is still None."""
+    """The config hook's part, for an engine other than the OpenAI server (whose mode
+    `server_defaults` set before): FULL mode where `wanted` (so with LAPLACE_VLLM_FULL_GRAPHS=1 only:
+    benchmarks/prefill_host.py's A/B); whether it did.  Runs first in `VllmConfig.__post_init__`,
+    while a mode the user did not set is still None."""
     from vllm.platforms import current_platform
 
     cc = vllm_config.compilation_config
@@ -70,56 +86,57 @@ def choose(vllm_config, environ: Mapping[str, str] = os.environ) -> bool:
     if not wanted(user_mode=cc.cudagraph_mode is not None, cuda=current_platform.is_cuda(),
                   v2=environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1",
                   prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
-                  eager=bool(model is not None and model.enforce_eager), environ=environ):
+                  eager=bool(model is not None and model.enforce_eager), server=False, environ=environ):
         return False
-    cc.cudagraph_mode = CUDAGraphMode.FULL
-    if cc.max_cudagraph_capture_size is None and cc.cudagraph_capture_sizes is None:
-        cc.max_cudagraph_capture_size = GRAPH_TOKENS
-    log.info("Laplace: whole steps of up to %s tokens run as CUDA graphs (cudagraph_mode FULL; %s=0 "
-             "keeps vLLM's FULL_AND_PIECEWISE)", cc.max_cudagraph_capture_size, ENV)
+    _set_full(cc)
     return True
 
 
-def budget_tokens(args, usage_context, model_config) -> int | None:
-    """The OpenAI server's token budget a step for Laplace (vLLM's `max_num_batched_tokens`) where the
-    user set none and FULL graphs will be chosen: GRAPH_TOKENS (at least max_num_seqs, which vLLM
-    requires).  None: keep vLLM's.  args: vLLM's EngineArgs before its defaults are applied."""
+def server_defaults(args, usage_context, model_config, environ: Mapping[str, str] = os.environ) -> bool:
+    """For Laplace's OpenAI server where `wanted`: FULL mode (graphs up to GRAPH_TOKENS) in the engine
+    arguments' compilation config; whether it did (then `install_server_defaults` also makes an unset
+    token budget GRAPH_TOKENS).  args: vLLM's EngineArgs, before vLLM settles its defaults; Model
+    Runner V2 is assumed unless VLLM_USE_V2_MODEL_RUNNER=0 (the config hook asks for it later,
+    export/model_runner.py)."""
     from vllm.platforms import current_platform
     from vllm.usage.usage_lib import UsageContext
 
     if ARCH not in (getattr(model_config, "architectures", None) or []):
-        return None
-    if args.max_num_batched_tokens is not None or usage_context != UsageContext.OPENAI_API_SERVER:
-        return None
-    if args.enable_chunked_prefill is False:
-        return None
+        return False
     cc = args.compilation_config
-    mode = cc.get("cudagraph_mode") if isinstance(cc, dict) else getattr(cc, "cudagraph_mode", None)
-    if not wanted(user_mode=mode is not None, cuda=current_platform.is_cuda(), v2=True,
-                  prefix_caching=bool(args.enable_prefix_caching), eager=bool(args.enforce_eager)):
-        return None
-    return max(GRAPH_TOKENS, args.max_num_seqs or 0)
+    if isinstance(cc, dict) or cc is None:          # not a CompilationConfig yet: leave it to vLLM
+        return False
+    if not wanted(user_mode=cc.cudagraph_mode is not None, cuda=current_platform.is_cuda(),
+                  v2=environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0",
+                  prefix_caching=bool(args.enable_prefix_caching), eager=bool(args.enforce_eager),
+                  server=usage_context == UsageContext.OPENAI_API_SERVER, environ=environ):
+        return False
+    _set_full(cc)
+    return True
 
 
-def install_budget_default() -> None:
+def install_server_defaults() -> None:
     """Wrap vLLM's `EngineArgs._set_default_max_num_seqs_and_batched_tokens_args` (where it settles an
-    unset token budget by usage context) so that Laplace's OpenAI server gets `budget_tokens`."""
+    unset token budget by usage context, before the engine's config exists) with `server_defaults`,
+    and where they apply and the user set no budget, GRAPH_TOKENS tokens a step (at least
+    max_num_seqs, as vLLM requires) with chunked prefill on."""
     from vllm.engine.arg_utils import EngineArgs
 
     orig = EngineArgs._set_default_max_num_seqs_and_batched_tokens_args
     if getattr(orig, "_laplace", False):
         return
 
-    def with_laplace_budget(self, usage_context, model_config, *args, **kwargs):
-        budget = budget_tokens(self, usage_context, model_config)
+    def with_laplace_defaults(self, usage_context, model_config, *args, **kwargs):
+        full = server_defaults(self, usage_context, model_config)
+        budget = full and self.max_num_batched_tokens is None and self.enable_chunked_prefill is not False
         orig(self, usage_context, model_config, *args, **kwargs)
-        if budget is not None:
-            self.max_num_batched_tokens = max(budget, self.max_num_seqs)
-            log.info("Laplace: %d tokens a step (whole steps run as CUDA graphs; --max-num-batched-tokens "
+        if budget:
+            self.max_num_batched_tokens = max(GRAPH_TOKENS, self.max_num_seqs)
+            log.info("Laplace: %d tokens a step (each step one CUDA graph; --max-num-batched-tokens "
                      "sets another)", self.max_num_batched_tokens)
 
-    with_laplace_budget._laplace = True
-    EngineArgs._set_default_max_num_seqs_and_batched_tokens_args = with_laplace_budget
+    with_laplace_defaults._laplace = True
+    EngineArgs._set_default_max_num_seqs_and_batched_tokens_args = with_laplace_defaults
 
 
 def capturing_whole_step(x: torch.Tensor, compilation_config) -> bool:

@@ -42,8 +42,8 @@ def register() -> None:
     if isinstance(ops, list) and OP not in ops:
         ops.append(OP)
 
-    # the OpenAI server's token budget a step, where the user sets none: the size of the whole-step
-    # CUDA graphs (export/full_graph.py)
-    from export.full_graph import install_budget_default
-    install_budget_default()
+    # the OpenAI server's whole-step CUDA graphs and token budget, where the user sets neither
+    # (export/full_graph.py)
+    from export.full_graph import install_server_defaults
+    install_server_defaults()
     _done = True

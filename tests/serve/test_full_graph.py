@@ -19,16 +19,18 @@ from vllm.v1.attention.backend import AttentionCGSupport  # noqa: E402
 
 from export import full_graph  # noqa: E402
 
-BASE = dict(user_mode=False, cuda=True, v2=True, prefix_caching=False, eager=False)
+BASE = dict(user_mode=False, cuda=True, v2=True, prefix_caching=False, eager=False, server=True)
 
 
-def test_wanted_only_where_the_user_chose_nothing_and_vllm_can_run_it():
+def test_wanted_for_the_server_where_the_user_chose_nothing_and_vllm_can_run_it():
     assert full_graph.wanted(**BASE, environ={})
     for key, value in (("user_mode", True), ("cuda", False), ("v2", False), ("prefix_caching", True),
-                       ("eager", True)):
+                       ("eager", True), ("server", False)):
         assert not full_graph.wanted(**{**BASE, key: value}, environ={}), key
     assert not full_graph.wanted(**BASE, environ={full_graph.ENV: "0"})
-    assert full_graph.wanted(**BASE, environ={full_graph.ENV: "1"})
+    # =1: the offline engine too (prefill_host's A/B), still not against the user's own mode
+    assert full_graph.wanted(**{**BASE, "server": False}, environ={full_graph.ENV: "1"})
+    assert not full_graph.wanted(**{**BASE, "server": False, "user_mode": True}, environ={full_graph.ENV: "1"})
 
 
 @pytest.fixture
@@ -45,48 +47,70 @@ def _config(**compilation):
     return cfg
 
 
-def test_choose_sets_full_and_the_capture_size_unless_the_user_set_them(on_cuda):
-    v2 = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+def test_the_config_hook_sets_full_only_when_asked(on_cuda):
+    """`choose` (the config hook, any engine): FULL and graphs to GRAPH_TOKENS with
+    LAPLACE_VLLM_FULL_GRAPHS=1 on V2; nothing without it (the server's defaults come earlier), on
+    V1, with prefix caching or against the user's mode; the user's capture sizes stay."""
+    on = {"VLLM_USE_V2_MODEL_RUNNER": "1", full_graph.ENV: "1"}
     cfg = _config(cudagraph_mode=None, max_cudagraph_capture_size=None, cudagraph_capture_sizes=None)
-    assert full_graph.choose(cfg, environ=v2)
+    assert full_graph.choose(cfg, environ=on)
     assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode.FULL
     assert cfg.compilation_config.max_cudagraph_capture_size == full_graph.GRAPH_TOKENS
-    # the user's own sizes stay; FULL still chosen
     cfg = _config(cudagraph_mode=None, max_cudagraph_capture_size=None, cudagraph_capture_sizes=[1, 8])
-    assert full_graph.choose(cfg, environ=v2)
+    assert full_graph.choose(cfg, environ=on)
     assert cfg.compilation_config.max_cudagraph_capture_size is None
-    # the user's mode, V1, prefix caching, or the switch: nothing changed
     cached = _config(cudagraph_mode=None)
     cached.cache_config.enable_prefix_caching = True
-    for cfg, env in ((_config(cudagraph_mode=CUDAGraphMode.PIECEWISE), v2),
-                     (_config(cudagraph_mode=None), {}), (cached, v2),
-                     (_config(cudagraph_mode=None), {**v2, full_graph.ENV: "0"})):
+    for cfg, env in ((_config(cudagraph_mode=CUDAGraphMode.PIECEWISE), on),
+                     (_config(cudagraph_mode=None), {"VLLM_USE_V2_MODEL_RUNNER": "1"}),
+                     (_config(cudagraph_mode=None), {full_graph.ENV: "1"}), (cached, on)):
         before = cfg.compilation_config.cudagraph_mode
         assert not full_graph.choose(cfg, environ=env)
         assert cfg.compilation_config.cudagraph_mode == before
 
 
-def test_the_token_budget_is_the_graph_size_for_the_openai_server_only(on_cuda, monkeypatch):
+LAP = types.SimpleNamespace(architectures=[full_graph.ARCH])
+
+
+def _settled(args, usage=UsageContext.OPENAI_API_SERVER, model_config=LAP, environ=None):
+    """What the wrapped `_set_default_max_num_seqs_and_batched_tokens_args` leaves in args: (mode,
+    largest capture size, token budget).  vLLM's own part needs a model config with max_model_len."""
+    full_graph.install_server_defaults()
+    model_config = types.SimpleNamespace(architectures=model_config.architectures, max_model_len=8192,
+                                         is_multimodal_model=False)
+    parallel = types.SimpleNamespace(use_batched_dp_moe=False)
+    args._set_default_max_num_seqs_and_batched_tokens_args(usage, model_config, parallel)
+    cc = args.compilation_config
+    return cc.cudagraph_mode, cc.max_cudagraph_capture_size, args.max_num_batched_tokens
+
+
+def test_the_server_gets_whole_step_graphs_and_their_token_budget(on_cuda, monkeypatch):
     monkeypatch.delenv(full_graph.ENV, raising=False)
-    lap = types.SimpleNamespace(architectures=[full_graph.ARCH])
-    server = UsageContext.OPENAI_API_SERVER
-    assert full_graph.budget_tokens(EngineArgs(), server, lap) == full_graph.GRAPH_TOKENS
-    assert full_graph.budget_tokens(EngineArgs(max_num_seqs=2048), server, lap) == 2048
-    assert full_graph.budget_tokens(EngineArgs(), UsageContext.LLM_CLASS, lap) is None
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    full = (CUDAGraphMode.FULL, full_graph.GRAPH_TOKENS)
+    assert _settled(EngineArgs(max_num_seqs=256)) == (*full, full_graph.GRAPH_TOKENS)
+    assert _settled(EngineArgs(max_num_seqs=2048)) == (*full, 2048)          # vLLM: budget >= seqs
+    assert _settled(EngineArgs(max_num_batched_tokens=4096, max_num_seqs=256)) == (*full, 4096)
+    # not the offline engine, another model, prefix caching, eager, the user's mode, or switched off
     llama = types.SimpleNamespace(architectures=["LlamaForCausalLM"])
-    assert full_graph.budget_tokens(EngineArgs(), server, llama) is None
-    for args in (EngineArgs(max_num_batched_tokens=4096), EngineArgs(enable_prefix_caching=True),
-                 EngineArgs(enforce_eager=True), EngineArgs(enable_chunked_prefill=False),
-                 EngineArgs(compilation_config={"cudagraph_mode": "PIECEWISE"})):
-        assert full_graph.budget_tokens(args, server, lap) is None, args
+    server = UsageContext.OPENAI_API_SERVER
+    for args, usage, model in ((EngineArgs(max_num_seqs=256), UsageContext.LLM_CLASS, LAP),
+                               (EngineArgs(max_num_seqs=256), server, llama),
+                               (EngineArgs(max_num_seqs=256, enable_prefix_caching=True), server, LAP),
+                               (EngineArgs(max_num_seqs=256, enforce_eager=True), server, LAP)):
+        mode, _, budget = _settled(args, usage, model)
+        assert mode is None and budget != full_graph.GRAPH_TOKENS, (args, usage)
+    args = EngineArgs(max_num_seqs=256)
+    args.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    assert _settled(args)[0] == CUDAGraphMode.PIECEWISE and args.max_num_batched_tokens != full_graph.GRAPH_TOKENS
     monkeypatch.setenv(full_graph.ENV, "0")
-    assert full_graph.budget_tokens(EngineArgs(), server, lap) is None
+    assert _settled(EngineArgs(max_num_seqs=256))[0] is None
 
 
-def test_the_budget_default_wraps_vllms_once():
-    full_graph.install_budget_default()
+def test_the_server_defaults_wrap_vllms_once():
+    full_graph.install_server_defaults()
     first = EngineArgs._set_default_max_num_seqs_and_batched_tokens_args
-    full_graph.install_budget_default()
+    full_graph.install_server_defaults()
     assert EngineArgs._set_default_max_num_seqs_and_batched_tokens_args is first and first._laplace
 
 
