@@ -162,6 +162,23 @@ if triton is not None:
         _new_window(x_ptr, pool_ptr + slot * sp_slot + rd * sp_d, bos, eos, keep, rd, md, sx_t, sp_c, C, BC)
 
 
+def _checked(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+             cu_seqlens: torch.Tensor, out: Optional[torch.Tensor]) -> tuple:
+    """A conv launcher's arguments checked (one line naming what is wrong): (T, D, C, R, the output
+    [T, D] in x's dtype: `out` checked, or a new tensor)."""
+    require("export.ops.conv")
+    T, D = x.shape
+    C = weight.shape[-1]
+    R = slots.shape[0]
+    if pool.dtype != torch.float32 or tuple(pool.shape[1:]) != (C, D):
+        raise ValueError(f"conv pool {tuple(pool.shape)} {pool.dtype}: want [*, {C}, {D}] float32")
+    if cu_seqlens.shape[0] != R + 1:
+        raise ValueError(f"cu_seqlens has {cu_seqlens.shape[0]} entries for {R} requests: want R + 1")
+    u = checked_out(out, (T, D), x.dtype) if out is not None else \
+        scratch(torch.empty_like(x, memory_format=torch.contiguous_format))
+    return T, D, C, R, u
+
+
 def conv_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor, x: torch.Tensor,
                          weight: torch.Tensor, bias: torch.Tensor, cu_seqlens: torch.Tensor,
                          silu: bool = True, block_t: int = BLOCK_T, block_d: int = BLOCK_D,
@@ -178,16 +195,7 @@ def conv_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Te
     (powers of 2); seg_tiles: tiles per segment; n_split: programs per (request, channel block),
     None: `default_split`.  out: where to write the result ([T, D], x's dtype, last-dim stride 1; a
     row block of a buffer the caller shares), None: a new tensor."""
-    require("export.ops.conv")
-    T, D = x.shape
-    C = weight.shape[-1]
-    R = slots.shape[0]
-    if pool.dtype != torch.float32 or tuple(pool.shape[1:]) != (C, D):
-        raise ValueError(f"conv pool {tuple(pool.shape)} {pool.dtype}: want [*, {C}, {D}] float32")
-    if cu_seqlens.shape[0] != R + 1:
-        raise ValueError(f"cu_seqlens has {cu_seqlens.shape[0]} entries for {R} requests: want R + 1")
-    u = checked_out(out, (T, D), x.dtype) if out is not None else \
-        scratch(torch.empty_like(x, memory_format=torch.contiguous_format))
+    T, D, C, R, u = _checked(pool, slots, x, weight, cu_seqlens, out)
     if R == 0 or T == 0:
         return u
     x = rowmajor(x)
@@ -221,16 +229,7 @@ def conv_rows_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tenso
     launches: each row's request (`torch.searchsorted` over cu_seqlens), the conv over tiles of
     block_t rows (any requests; windows read), then each request's new window (written after every
     read of the old one)."""
-    require("export.ops.conv")
-    T, D = x.shape
-    C = weight.shape[-1]
-    R = slots.shape[0]
-    if pool.dtype != torch.float32 or tuple(pool.shape[1:]) != (C, D):
-        raise ValueError(f"conv pool {tuple(pool.shape)} {pool.dtype}: want [*, {C}, {D}] float32")
-    if cu_seqlens.shape[0] != R + 1:
-        raise ValueError(f"cu_seqlens has {cu_seqlens.shape[0]} entries for {R} requests: want R + 1")
-    u = checked_out(out, (T, D), x.dtype) if out is not None else \
-        scratch(torch.empty_like(x, memory_format=torch.contiguous_format))
+    T, D, C, R, u = _checked(pool, slots, x, weight, cu_seqlens, out)
     if R == 0 or T == 0:
         return u
     x = rowmajor(x)

@@ -14,21 +14,44 @@ from export.reference import conv_with_state
 interpret = interpreter_fixture(conv._conv_prefill_kernel, conv._conv_rows_kernel, conv._conv_window_kernel)
 
 
-def _conv_case(lens, pad_rows=0, seed=11, **launch):
-    """The conv kernel on requests of `lens` tokens (all 1: conv_decode_inplace), `pad_rows` more
-    rows at the null slot 0 with keep False, against torch conv_with_state per request (float32;
-    requests shorter than the kernel take part of their window from the old one); NaN pages with
-    keep False must not leak; other slots and the bytes around the view stay as they were."""
+def _check_requests(u, pool, old_pool, x, w, b, slots, keep, cu):
+    """Each request r of slots: its rows of u against torch conv_with_state from its old window
+    (zeros where keep is False), and its new window in pool, exactly."""
+    C = w.shape[-1]
+    for r in range(slots.shape[0]):
+        a, e = int(cu[r]), int(cu[r + 1])
+        win = torch.where(keep[r], old_pool[slots[r]], 0.0)
+        want_u, want_w = conv_with_state(x[a:e][None], win[None], w, b)
+        # both sum C + 1 terms (taps, bias) in float32, in their own orders; Σ|terms| is the
+        # same conv of the absolute values; then SiLU (|silu'| <= 1.1, a few roundings of its own)
+        mag, _ = conv_with_state(x[a:e].abs()[None], win.abs()[None], w.abs(), b.abs())
+        tol = 1.1 * 2 * f32_sum_err(C + 1, mag[0]) + 4 * U32 * F.silu(want_u[0]).abs()
+        assert ((F.silu(want_u[0]) - u[a:e]).abs() <= tol).all(), r
+        assert torch.equal(pool[slots[r]], want_w[0]), r               # copies of inputs: exact
+
+
+def _pages(R: int, seed: int):
+    """A float32 conv pool (C = 4, D = 80) of 12 slots inside a page buffer with bytes around each
+    view, R distinct slots (never the null slot 0), keep False for every third (those pages NaN),
+    random weights.  Returns (generator, C, D, raw, pool, slots, keep, raw before, w, b)."""
     g = torch.Generator().manual_seed(seed)
     C, D, S = 4, 80, 12
-    R = len(lens)
     raw = torch.randn(S, 5 + C * D + 3, generator=g)
     pool = raw[:, 5:5 + C * D].unflatten(1, (C, D))
     slots = torch.randperm(S - 1, generator=g)[:R] + 1
     keep = torch.tensor([i % 3 != 1 for i in range(R)])
     pool[slots[~keep]] = float("nan")
-    before = raw.clone()
     w, b = torch.randn(D, 1, C, generator=g), torch.randn(D, generator=g)
+    return g, C, D, raw, pool, slots, keep, raw.clone(), w, b
+
+
+def _conv_case(lens, pad_rows=0, seed=11, **launch):
+    """The conv kernel on requests of `lens` tokens (all 1: conv_decode_inplace), `pad_rows` more
+    rows at the null slot 0 with keep False, against torch conv_with_state per request (float32;
+    requests shorter than the kernel take part of their window from the old one); NaN pages with
+    keep False must not leak; other slots and the bytes around the view stay as they were."""
+    g, C, D, raw, pool, slots, keep, before, w, b = _pages(len(lens), seed)
+    R = len(lens)
     if set(lens) == {1}:
         x = torch.randn(R + pad_rows, D, generator=g)
         cu = torch.arange(R + 1)
@@ -39,16 +62,7 @@ def _conv_case(lens, pad_rows=0, seed=11, **launch):
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
         x = torch.randn(int(cu[-1]) + 3, D, generator=g)
         u = conv.conv_prefill_inplace(pool, slots, keep, x, w, b, cu, **launch)
-    for r in range(R):
-        a, e = int(cu[r]), int(cu[r + 1])
-        win = torch.where(keep[r], before[slots[r], 5:5 + C * D].view(C, D), 0.0)
-        want_u, want_w = conv_with_state(x[a:e][None], win[None], w, b)
-        # both sum C + 1 terms (taps, bias) in float32, in their own orders; Σ|terms| is the
-        # same conv of the absolute values; then SiLU (|silu'| <= 1.1, a few roundings of its own)
-        mag, _ = conv_with_state(x[a:e].abs()[None], win.abs()[None], w.abs(), b.abs())
-        tol = 1.1 * 2 * f32_sum_err(C + 1, mag[0]) + 4 * U32 * F.silu(want_u[0]).abs()
-        assert ((F.silu(want_u[0]) - u[a:e]).abs() <= tol).all(), r
-        assert torch.equal(pool[slots[r]], want_w[0]), r               # copies of inputs: exact
+    _check_requests(u, pool, before[:, 5:5 + C * D].unflatten(1, (C, D)), x, w, b, slots, keep, cu)
     other = torch.ones_like(raw, dtype=torch.bool)
     other[slots, 5:5 + C * D] = False
     if pad_rows:
@@ -124,17 +138,8 @@ def test_conv_rows_as_a_whole_step_graph_runs_them():
     last request.  Each request's SiLU(conv) against torch conv_with_state, its new window exact; the
     pages of the empty requests hold what the live requests wrote (not their old windows); padding
     rows are zeros; everything else unchanged."""
-    g = torch.Generator().manual_seed(5)
-    C, D, S = 4, 80, 12
     lens = [1, 1, 2, 1, 9, 40, 1, 3]
-    R = len(lens)
-    raw = torch.randn(S, 5 + C * D + 3, generator=g)
-    pool = raw[:, 5:5 + C * D].unflatten(1, (C, D))
-    slots = torch.randperm(S - 1, generator=g)[:R] + 1
-    keep = torch.tensor([i % 3 != 1 for i in range(R)])
-    pool[slots[~keep]] = float("nan")
-    before = raw.clone()
-    w, b = torch.randn(D, 1, C, generator=g), torch.randn(D, generator=g)
+    g, C, D, raw, pool, slots, keep, before, w, b = _pages(len(lens), 5)
     cu_real = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     n = int(cu_real[-1])
     cu = torch.cat([cu_real, cu_real[-1:].repeat(2)])               # + two requests of no tokens
@@ -142,14 +147,7 @@ def test_conv_rows_as_a_whole_step_graph_runs_them():
     pad_keep = torch.cat([keep, torch.tensor([True, True])])
     x = torch.randn(n + 5, D, generator=g)
     u = conv.conv_rows_inplace(pool, pad_slots, pad_keep, x, w, b, cu, block_t=8, block_d=32)
-    for r in range(R):
-        a, e = int(cu[r]), int(cu[r + 1])
-        win = torch.where(keep[r], before[slots[r], 5:5 + C * D].view(C, D), 0.0)
-        want_u, want_w = conv_with_state(x[a:e][None], win[None], w, b)
-        mag, _ = conv_with_state(x[a:e].abs()[None], win.abs()[None], w.abs(), b.abs())
-        tol = 1.1 * 2 * f32_sum_err(C + 1, mag[0]) + 4 * U32 * F.silu(want_u[0]).abs()
-        assert ((F.silu(want_u[0]) - u[a:e]).abs() <= tol).all(), r
-        assert torch.equal(pool[slots[r]], want_w[0]), r
+    _check_requests(u, pool, before[:, 5:5 + C * D].unflatten(1, (C, D)), x, w, b, slots, keep, cu)
     assert torch.equal(u[n:], torch.zeros(5, D))
     other = torch.ones_like(raw, dtype=torch.bool)
     other[slots, 5:5 + C * D] = False

@@ -67,6 +67,33 @@ def _run(m, raw, md, xn, res, rows, triton_on, monkeypatch):
     return out
 
 
+def _assert_as_torch_path(m, md, got, want, res, raw_t, raw, slots):
+    """A Triton path's step (outputs got, pages raw_t) against the torch path's (want, raw): each
+    request's rows and GLA state within the bounds below, conv windows equal, other pages unchanged.
+
+    o: each path within prefill_tolerance('ieee') of the exact GLA; gated_mix's head RMSNorm keeps a
+    relative error; gated_mix itself (torch ops or the fused kernel) adds its own float32 rounding,
+    relative (λ√V/2 + ~20)u per checks.gated_mix_error_bound, twice; w_out adds a D-term float32 sum
+    (λ·D·u for random signs, each path); the residual add rounds once per path (the Triton path adds
+    it in the GEMM, the torch path after it): u |res + mixer| each."""
+    C, D, H, K, V = m.cfg.conv_kernel, m.cfg.d_model, m.H, m.K, m.V
+    post = 2 * 2 * (6 * V ** 0.5 / 2 + 20) * U32
+    tol = 2 * 2 * checks.prefill_tolerance("ieee", gla_prefill.CHUNK, K) + post + 2 * 6 * D * U32
+    starts = md.query_start_loc.tolist()
+    for r, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
+        assert torch.isfinite(got[a:b]).all(), r
+        mix = want[a:b] - res[a:b]
+        assert float((got[a:b] - want[a:b]).norm()) <= tol * float(mix.norm()) + 2 * U32 * float(want[a:b].norm()), r
+    cs = slice(3, 3 + C * D)
+    gs = slice(3 + C * D, 3 + C * D + H * K * V)
+    assert torch.equal(raw_t[slots][:, cs], raw[slots][:, cs])                   # input copies: exact
+    for s in slots:
+        rel = float((raw_t[s, gs] - raw[s, gs]).norm() / raw[s, gs].norm())
+        assert rel <= 2 * checks.prefill_tolerance("ieee", gla_prefill.CHUNK, K)
+    others = [s for s in range(raw.shape[0]) if s not in slots]
+    assert torch.equal(raw_t[others].view(torch.int32), raw[others].view(torch.int32))
+
+
 def test_vllm_mixer_triton_prefill_equals_torch_path(mixer, monkeypatch):
     """A mixed step: 2 decode rows, then prefill requests of 1, 3, 17, 40 and 5 tokens (new and
     continued ones; pages of new sequences hold NaN), 4 padding rows.  The Triton paths (decode
@@ -99,26 +126,8 @@ def test_vllm_mixer_triton_prefill_equals_torch_path(mixer, monkeypatch):
     assert len(calls) == 4                                                 # the torch path: none
 
     assert torch.equal(got[n:], res[n:]) and torch.equal(want[n:], res[n:])     # padding: mixer output 0
-    # o: each path within prefill_tolerance('ieee') of the exact GLA; gated_mix's head RMSNorm keeps a
-    # relative error; gated_mix itself (torch ops or the fused kernel) adds its own float32
-    # rounding, relative (λ√V/2 + ~20)u per checks.gated_mix_error_bound, twice; w_out adds a D-term
-    # float32 sum (λ·D·u for random signs, each path); the residual add rounds once per path (the
-    # Triton path adds it in the GEMM, the torch path after it): u |res + mixer| each
-    post = 2 * 2 * (6 * V ** 0.5 / 2 + 20) * U32
-    tol = 2 * 2 * checks.prefill_tolerance("ieee", gla_prefill.CHUNK, K) + post + 2 * 6 * D * U32
-    starts = md.query_start_loc.tolist()
-    for r, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
-        assert torch.isfinite(got[a:b]).all(), r
-        mix = want[a:b] - res[a:b]
-        assert float((got[a:b] - want[a:b]).norm()) <= tol * float(mix.norm()) + 2 * U32 * float(want[a:b].norm()), r
-    cs = slice(3, 3 + C * D)
+    _assert_as_torch_path(m, md, got, want, res, raw_t, raw, slots)
     gs = slice(3 + C * D, 3 + C * D + H * K * V)
-    assert torch.equal(raw_t[slots][:, cs], raw[slots][:, cs])                   # input copies: exact
-    for s in slots:
-        rel = float((raw_t[s, gs] - raw[s, gs]).norm() / raw[s, gs].norm())
-        assert rel <= 2 * checks.prefill_tolerance("ieee", gla_prefill.CHUNK, K)
-    others = [s for s in range(13) if s not in slots]
-    assert torch.equal(raw_t[others].view(torch.int32), raw[others].view(torch.int32))
     edges = torch.cat([raw_t[:, :3], raw_t[:, gs.stop:]], 1), torch.cat([raw[:, :3], raw[:, gs.stop:]], 1)
     assert torch.equal(edges[0].view(torch.int32), edges[1].view(torch.int32))     # NaN-aware
 
@@ -153,21 +162,7 @@ def test_whole_step_graph_path_equals_torch_path(mixer, monkeypatch):
     monkeypatch.setenv("LAPLACE_VLLM_TRITON", "1")
     with torch.no_grad():
         m._rows_graph(step_index.derive(padded), xn, got, conv_pool, gla_pool)
-    post = 2 * 2 * (6 * V ** 0.5 / 2 + 20) * U32
-    tol = 2 * 2 * checks.prefill_tolerance("ieee", gla_prefill.CHUNK, K) + post + 2 * 6 * D * U32
-    starts = md.query_start_loc.tolist()
-    for r, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
-        assert torch.isfinite(got[a:b]).all(), r
-        mix = want[a:b] - res[a:b]
-        assert float((got[a:b] - want[a:b]).norm()) <= tol * float(mix.norm()) + 2 * U32 * float(want[a:b].norm()), r
-    cs = slice(3, 3 + C * D)
-    gs = slice(3 + C * D, 3 + C * D + H * K * V)
-    assert torch.equal(raw_t[slots][:, cs], raw[slots][:, cs])
-    for s in slots:
-        rel = float((raw_t[s, gs] - raw[s, gs]).norm() / raw[s, gs].norm())
-        assert rel <= 2 * checks.prefill_tolerance("ieee", gla_prefill.CHUNK, K)
-    others = [s for s in range(13) if s not in slots]
-    assert torch.equal(raw_t[others].view(torch.int32), raw[others].view(torch.int32))
+    _assert_as_torch_path(m, md, got, want, res, raw_t, raw, slots)
 
 
 def test_step_index_once_per_step_and_as_derived(mixer, monkeypatch):
