@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_all.sh online OUT --workloads sweep  # online serving (online_bench.py; <= 590 s a call)
 #   bash benchmarks/gpu_all.sh trainer OUT [ARGS] # the user's 3B command as shipped (+ ARGS), host RSS over its run
 #   bash benchmarks/gpu_all.sh mixed OUT   # a prompt arriving beside 12 decoding requests: Laplace and the peer
+#   bash benchmarks/gpu_all.sh fullcheck OUT # whole-step CUDA graphs against vLLM's mode in float32 (tiny config, ~3 min)
 # Wheels the GPU image lacks (fla-core, einops) are installed from .whl/ when present. Each part
 # runs under its own time limit so one hang cannot eat the whole call; logs land in OUT.
 set -uo pipefail
@@ -93,7 +94,18 @@ trainer)
     CUDA_VISIBLE_DEVICES=0 trainer 240 "$first" "${@:3}"
     m=$(grep -o "use train.micro_batch=[0-9]*" "$out/train_$first.log" | head -1 | cut -d= -f2)
     [ -n "$m" ] && CUDA_VISIBLE_DEVICES=0 trainer 300 "mb$m" "${@:3}" train.micro_batch="$m" ;;
-*) echo "usage: $0 gla|ops|kernels|train|serve|profile|pair|online|trainer|mixed OUT" >&2; exit 2 ;;
+fullcheck)
+    # export/full_graph.py's whole-step graphs against vLLM's FULL_AND_PIECEWISE on the tiny config in
+    # float32, 128 tokens a step (every step of the agreement run mixes prefill chunks with decodes and
+    # runs as one graph): tokens equal, |Δ log p| at float32 rounding (BENCHMARKS.md run S20 b)
+    vllm_env
+    python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \
+from prefill_host import tiny_folder; tiny_folder(Path('/tmp/tiny_laplace'), 4096)"
+    timeout 300 python3 benchmarks/prefill_host.py --out "$out/fullcheck" --model-dir /tmp/tiny_laplace \
+        --dtype float32 --lengths 32,64 --reps 2 --decodes 3 --budget 128 --max-num-seqs 64 --graphs-ab \
+        > "$out/fullcheck.log" 2>&1
+    echo "== rc $?"; grep -a "full vs piecewise\|replay vs live" "$out/fullcheck.log" | cut -c1-300 ;;
+*) echo "usage: $0 gla|ops|kernels|train|serve|profile|pair|online|trainer|mixed|fullcheck OUT" >&2; exit 2 ;;
 esac
 rm -f "$out"/*/bench.md
 grep -h "^\[bench\]\|^\[micro\]" "$out"/*.log 2>/dev/null | cut -c1-260
