@@ -16,7 +16,7 @@ columns j of the chunk; all exponents <= 0):
     S     = e^{γn} S + (k ⊙ [j < n] e^{γ(n-1-j)})^T v
 
 The padding rows of a partial last chunk load as zeros and get decay weight 0 (a select: their
-e^{γ(n-1-j)} would be a positive exponent).  A chunk of one token takes the decode step's float32
+e^{γ(n-1-j)} would be a positive exponent).  A request of one token takes the decode step's float32
 math instead (S = λS + k v^T, o = K^-0.5 S^T q, as ops/gla_decode.py; gla_chunk_math's doc): a step
 that runs as one CUDA graph (export/full_graph.py) sends its decode rows here as one-token
 requests.  A request of no tokens (a row padding such a step) leaves its page untouched.
@@ -83,7 +83,6 @@ if triton is not None:
         g = tl.load(g_gamma_ptr + h).to(tl.float32)
 
         rk, rv, rt, mk, mv = _tile_ranges(vb, K, V, BK, BV, BT)
-        dmask, qdec = _chunk_decays(g, rt)
 
         s_ptrs = pool_ptr + slot * sp_slot + h * sp_h + rk[:, None] * sp_k + rv[None, :] * sp_v
         s_mask = mk[:, None] & mv[None, :]
@@ -91,15 +90,17 @@ if triton is not None:
         # a select, not a product: a reused page may hold anything, NaN included
         s = tl.where(keep != 0, s, 0.0)
 
-        for t0 in range(bos, eos, BT):
-            if eos - t0 == 1:
-                # one token (gla_chunk_math's doc): the decode step's float32 math
-                q1 = _head_row(q_ptr, t0, sq_t, h, sq_h, rk, mk)
-                s = _one_token_state(s, _head_row(k_ptr, t0, sk_t, h, sk_h, rk, mk),
-                                     _head_row(v_ptr, t0, sv_t, h, sv_h, rv, mv), g, MODE)
-                tl.store(o_ptr + t0 * so_t + h * so_h + rv,
-                         (tl.sum(s * q1[:, None], axis=0) * scale).to(o_ptr.dtype.element_ty), mask=mv)
-            else:
+        if eos - bos == 1:
+            # one token (gla_chunk_math's doc): the decode step's float32 math.  A request-level
+            # branch outside the chunk loop: inside it, the loop's registers spilled 4x more
+            q1 = _head_row(q_ptr, bos, sq_t, h, sq_h, rk, mk)
+            s = _one_token_state(s, _head_row(k_ptr, bos, sk_t, h, sk_h, rk, mk),
+                                 _head_row(v_ptr, bos, sv_t, h, sv_h, rv, mv), g, MODE)
+            tl.store(o_ptr + bos * so_t + h * so_h + rv,
+                     (tl.sum(s * q1[:, None], axis=0) * scale).to(o_ptr.dtype.element_ty), mask=mv)
+        else:
+            dmask, qdec = _chunk_decays(g, rt)
+            for t0 in range(bos, eos, BT):
                 rows = t0 + rt
                 mt = rows < eos
                 n = tl.minimum(eos - t0, BT).to(tl.float32)                  # real tokens here

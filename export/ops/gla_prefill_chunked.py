@@ -19,7 +19,7 @@ rows t0 = cu[r] + j·BT ... with n ≤ BT real tokens; exponents ≤ 0):
 
 Every product and sum is the serial kernel's, in the same order and precision (both call the
 `_chunk_state` and `_chunk_output` of export/ops/gla_chunk_math.py, with its `_modes`, and both give
-a chunk of one token the decode step's math, there described; a request of no tokens leaves its
+a request of one token the decode step's math, there described; a request of no tokens leaves its
 page untouched in both): U_c is the
 float32 product the serial kernel adds to its state, so the two paths agree to the last bit where
 the products do (the CPU interpreter), and `export.checks.prefill_tolerance` bounds both against
@@ -80,18 +80,19 @@ if triton is not None:
 
     @triton.jit
     def _chunk_span(c, cu_ptr, R, BT: tl.constexpr):
-        """(first row, end of its request) of chunk c: first >= end past the last chunk."""
+        """(first row, end of its request, start of its request) of chunk c: first >= end past the
+        last chunk."""
         r, first = _find_chunk(c, cu_ptr, R, BT)
         bos = tl.load(cu_ptr + r).to(tl.int64)
         eos = tl.load(cu_ptr + r + 1).to(tl.int64)
-        return bos + (c - first).to(tl.int64) * BT, eos
+        return bos + (c - first).to(tl.int64) * BT, eos, bos
 
     @triton.jit
     def _chunk_rows(cu_ptr, R, BT: tl.constexpr):
         """(c, first row t0, end of its request eos, rows t0 + [0, BT), rows < eos) of this program's
         chunk c (grid axis 0)."""
         c = tl.program_id(0)
-        t0, eos = _chunk_span(c, cu_ptr, R, BT)
+        t0, eos, _ = _chunk_span(c, cu_ptr, R, BT)
         rows = t0 + tl.arange(0, BT)
         return c, t0, eos, rows, rows < eos
 
@@ -157,7 +158,10 @@ if triton is not None:
                           K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                           BT: tl.constexpr, QK_MODE: tl.constexpr, MODE: tl.constexpr,
                           EMULATE: tl.constexpr):
-        c, t0, eos, rows, mt = _chunk_rows(cu_ptr, R, BT)
+        c = tl.program_id(0)
+        t0, eos, bos = _chunk_span(c, cu_ptr, R, BT)
+        rows = t0 + tl.arange(0, BT)
+        mt = rows < eos
         h = tl.program_id(1).to(tl.int64)
         vb = tl.program_id(2)
         g = tl.load(g_gamma_ptr + h).to(tl.float32)
@@ -165,9 +169,9 @@ if triton is not None:
         dmask, qdec = _chunk_decays(g, rt)
         at = c.to(tl.int64) * sb_c + h * sb_h + rk[:, None] * sb_k + rv[None, :]
         s = tl.load(buf_ptr + at, mask=mk[:, None] & mv[None, :] & (t0 < eos), other=0.0)
-        if eos - t0 == 1:
-            # one token: the serial kernel's decode math, S' = e^γ S + U (U: the local kernel's,
-            # `_one_token_state`'s value), o = S'^T q as a float32 sum
+        if eos - bos == 1:
+            # a request of one token: the serial kernel's decode math, S' = e^γ S + U (U: the local
+            # kernel's, `_one_token_state`'s value), o = S'^T q as a float32 sum
             s = tl.exp(g * 1.0) * s + tl.load(u_ptr + at, mask=mk[:, None] & mv[None, :], other=0.0)
             q1 = _head_row(q_ptr, t0, sq_t, h, sq_h, rk, mk)
             tl.store(o_ptr + t0 * so_t + h * so_h + rv,

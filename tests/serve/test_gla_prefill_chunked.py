@@ -85,9 +85,9 @@ def test_chunked_3b_head_shape():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_equals_serial_bitwise(dtype):
     """Same inputs, same pool: o and every state equal to the last bit (NaN pages of new sequences
-    included, which both replace by zeros; one-token chunks, of the 1-token request and the 17- and
-    33-token ones' last chunks, by the decode math in both); the request of no tokens leaves its
-    page as it was (NaN: a page that pads a CUDA-graph batch may be another request's)."""
+    included, which both replace by zeros; the 1-token request by the decode math in both, the 17-
+    and 33-token ones' one-token last chunks by the chunk math in both); the request of no tokens
+    leaves its page as it was (NaN: a page that pads a CUDA-graph batch may be another request's)."""
     H, K, V, chunk = SMALL["H"], SMALL["K"], SMALL["V"], SMALL["chunk"]
     g = torch.Generator().manual_seed(3)
     lengths = (40, 1, 17, 0, 33)
