@@ -78,6 +78,13 @@ def state_shapes(cfg: Arch):
 STATE_DTYPES = (torch.float32, torch.float32)
 
 
+# The serial GLA kernel's pipeline stages in a whole-step graph (`_rows_graph`), where most of its
+# programs are decode rows (one-token requests: no chunk loop to pipeline).  Its bf16 default of 3
+# stages reserves 120 KB of shared memory a program (one program an SM on an H100/H200, whatever its
+# request), 1 stage 40 KB (five); benchmarks/ops/compile_sm90.py prints both.
+WHOLE_STEP_GLA_STAGES = 1
+
+
 class LaplaceVllmMixer(LaplaceMixer, MambaBase):
     """Token mixer (conv → qkvg → GLA → aug → head norm → gate → w_out) with state in vLLM's pool."""
 
@@ -250,7 +257,8 @@ class LaplaceVllmMixer(LaplaceMixer, MambaBase):
             if tape is not None:
                 tape.step(qp, kp, vp)
             gla_prefill.gla_prefill_inplace(gla_pool, pf[0], pf[1], qp, kp, vp, self.g_gamma, pf[2],
-                                            path="serial" if whole else None, out=o_pf)
+                                            path="serial" if whole else None,
+                                            num_stages=WHOLE_STEP_GLA_STAGES if whole else None, out=o_pf)
         self._mix_out_fused(q, k, v, g, o, residual, tape)
 
     def _project(self, u, tape):

@@ -5,13 +5,34 @@ the limit) before a GPU lease.
 
     PYTHONPATH=. python benchmarks/ops/compile_sm90.py [config]      (default laplace_3b)
 
-Prints one line per variant (kernel, constexprs, shared memory); exit status 1 if one fails.
+Prints one line per variant (kernel, constexprs, shared memory, and the registers and spill stack
+per thread from the cuobjdump Triton ships: 255 registers with a stack is a kernel that spills);
+exit status 1 if one fails.
 Do not set TRITON_INTERPRET (the kernels must be Triton's compiled kind)."""
 import inspect
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 import torch
+
+
+def resources(binary) -> str:
+    """", registers R, stack S B" of a compiled kernel (cuobjdump --dump-resource-usage on its cubin),
+    or "" where Triton ships no cuobjdump."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(binary.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return f", registers {m.group(1)}, stack {m.group(2)} B" if m else ""
 
 
 def main(config: str = "laplace_3b") -> int:
@@ -52,7 +73,7 @@ def main(config: str = "laplace_3b") -> int:
         try:
             binary = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs),
                                     target=GPUTarget("cuda", 90, 32), options=opts)
-            print(f"ok   {name} {shown} {opts}: shared {binary.metadata.shared} B")
+            print(f"ok   {name} {shown} {opts}: shared {binary.metadata.shared} B{resources(binary)}")
         except Exception as e:  # noqa: BLE001 - report every variant, then fail
             bad += 1
             print(f"FAIL {name} {shown} {opts}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
