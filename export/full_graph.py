@@ -8,12 +8,13 @@ tokens wait on.  In FULL mode vLLM captures the whole forward, mixers included, 
 its capture sizes, and replays it for any batch of up to that many tokens: a step costs the host
 one graph launch.
 
-What it takes (each checked by tests/serve/test_full_graph.py):
+What it takes (checked in Triton's CPU interpreter by tests/serve/test_conv.py, test_gla_prefill.py
+and test_vllm_mixer.py; the choice of mode by test_full_graph.py; on a GPU by `gpu_all.sh fullcheck`):
 - launch grids that depend only on the step's padded size.  Inside a FULL capture the mixer
   (`LaplaceVllmMixer._rows_graph`) runs every request of the step, decode rows as one-token
   requests, through `conv.conv_rows_inplace` (tiles of rows, whatever their requests) and the
-  serial prefill kernel (a program per request, head and value block; a one-token chunk takes the
-  decode step's math).  The Python that picks paths by the batch's decode and prefill counts runs
+  serial prefill kernel (a program per request, head and value block, with one pipeline stage; a
+  one-token request takes the decode step's math).  The Python that picks paths by the batch's decode and prefill counts runs
   once, at capture, so it cannot be used there.
 - metadata at fixed addresses: `StateMetadataBuilder` copies the state indices into a buffer of its
   own (vLLM's query_start_loc and seq_lens are its persistent input buffers already) and declares
