@@ -14,8 +14,8 @@ and test_vllm_mixer.py; the choice of mode by test_full_graph.py; on a GPU by `g
   (`LaplaceVllmMixer._rows_graph`) runs every request of the step, decode rows as one-token
   requests, through `conv.conv_rows_inplace` (tiles of rows, whatever their requests) and the
   serial prefill kernel (a program per request, head and value block, with one pipeline stage; a
-  one-token request takes the decode step's math).  The Python that picks paths by the batch's decode and prefill counts runs
-  once, at capture, so it cannot be used there.
+  one-token request takes the decode step's math).  The Python that picks paths by the batch's
+  decode and prefill counts runs once, at capture, so it cannot be used there.
 - metadata at fixed addresses: `StateMetadataBuilder` copies the state indices into a buffer of its
   own (vLLM's query_start_loc and seq_lens are its persistent input buffers already) and declares
   `AttentionCGSupport.ALWAYS`; vLLM's LINEAR builder declares single-token decodes only, for which
