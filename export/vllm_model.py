@@ -206,12 +206,17 @@ class LaplaceVllmMixer(LaplaceMixer, MambaBase):
         padded requests); nothing here may depend on the batch the capture happened to see.
         xn, residual [N, D]: residual += the mixer of xn, in place (rows after the last request pad
         the graph's batch: vLLM discards them)."""
+        n = xn.shape[0]
         cu = ix.qsl.to(torch.int32)               # every request's rows, from row 0
-        self._rows_fast(xn[:0], xn, residual[:xn.shape[0]], conv_pool, gla_pool, None,
-                        (ix.slots, ix.keep8, cu), whole=True)
+        # each row's request: one searchsorted for the step's 24 layers, not one a layer
+        req = ix.shared.get("row_req")
+        if req is None or req.shape[0] != n:
+            req = ix.shared["row_req"] = conv.row_requests(cu, n)
+        self._rows_fast(xn[:0], xn, residual[:n], conv_pool, gla_pool, None, (ix.slots, ix.keep8, cu),
+                        whole=True, row_req=req)
 
     def _rows_fast(self, x_dec, x_pf, residual, conv_pool, gla_pool, dec, pf, tape=None,
-                   whole: bool = False) -> None:
+                   whole: bool = False, row_req=None) -> None:
         """A step's rows by the Triton kernels, states updated in the pools in place: nd decode rows
         (one token each), then the packed tokens of R prefill requests, as one block of rows.
 
@@ -221,7 +226,8 @@ class LaplaceVllmMixer(LaplaceMixer, MambaBase):
         first prefill token) of the prefill requests; None where the step has none.  tape: the
         step's recording tape (x_dec, x_pf and residual are its roles "x_dec", "x_pf" and "res").
         whole: pf holds the step's every request (`_rows_graph`): the conv by its row-tiled kernel
-        and the GLA by the serial one, whose grids depend on the sizes only.
+        and the GLA by the serial one, whose grids depend on the sizes only; row_req: each row's
+        request (`conv.row_requests`), None: made by the conv.
 
         Only the conv and the GLA differ between decode rows (one-token kernels) and prefill
         requests (chunked kernels), and each writes its own rows of one output, so the projection,
@@ -239,7 +245,7 @@ class LaplaceVllmMixer(LaplaceMixer, MambaBase):
         if dec is not None:
             conv.conv_decode_inplace(conv_pool, dec[0], dec[1], x_dec, w, b, cu_seqlens=dec[2], out=u_dec)
         if pf is not None and whole:
-            conv.conv_rows_inplace(conv_pool, pf[0], pf[1], x_pf, w, b, pf[2], out=u_pf)
+            conv.conv_rows_inplace(conv_pool, pf[0], pf[1], x_pf, w, b, pf[2], out=u_pf, row_req=row_req)
         elif pf is not None:
             conv.conv_prefill_inplace(conv_pool, pf[0], pf[1], x_pf, w, b, pf[2], out=u_pf)
         q, k, v, g = self._project(u, tape)

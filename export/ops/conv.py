@@ -218,17 +218,17 @@ def conv_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Te
 
 def conv_rows_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor, x: torch.Tensor,
                       weight: torch.Tensor, bias: torch.Tensor, cu_seqlens: torch.Tensor, silu: bool = True,
-                      block_t: int = BLOCK_T, block_d: int = BLOCK_D,
-                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      block_t: int = BLOCK_T, block_d: int = BLOCK_D, out: Optional[torch.Tensor] = None,
+                      row_req: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`conv_prefill_inplace`'s result for a whole step whose requests may be of any lengths, decode
     rows as one-token requests, with launch grids that depend on T and R only: the step can be
     captured once as a CUDA graph and replayed for any batch of that size (export/full_graph.py).
 
     Arguments as `conv_prefill_inplace`; rows from cu_seqlens[R] to T (padding) get zeros, and
-    requests of no tokens (padding rows of vLLM's padded batch) leave their pages untouched.  Three
-    launches: each row's request (`torch.searchsorted` over cu_seqlens), the conv over tiles of
-    block_t rows (any requests; windows read), then each request's new window (written after every
-    read of the old one)."""
+    requests of no tokens (padding rows of vLLM's padded batch) leave their pages untouched.
+    row_req: `row_requests(cu_seqlens, T)`, which every layer of a step shares (None: made here).
+    Two launches: the conv over tiles of block_t rows (any requests; windows read), then each
+    request's new window (written after every read of the old one)."""
     T, D, C, R, u = _checked(pool, slots, x, weight, cu_seqlens, out)
     if R == 0 or T == 0:
         return u
@@ -237,8 +237,7 @@ def conv_rows_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tenso
     cu = cu_seqlens.to(torch.int32).contiguous()
     slots = slots.to(torch.long).contiguous()
     keep8 = keep.to(torch.int8).contiguous()
-    rows = torch.arange(T, device=x.device, dtype=torch.int32)
-    req = scratch(torch.searchsorted(cu[1:], rows, right=True, out_int32=True))
+    req = row_requests(cu, T) if row_req is None else row_req
     run(Launch(_conv_rows_kernel, (triton.cdiv(T, block_t), triton.cdiv(D, block_d)), (
         x, u, pool, slots, keep8, cu, req, weight, bias, T, R,
         x.stride(0), u.stride(0), pool.stride(0), pool.stride(1), pool.stride(2),
@@ -248,6 +247,13 @@ def conv_rows_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tenso
         x, pool, slots, keep8, cu, x.stride(0), pool.stride(0), pool.stride(1), pool.stride(2)),
         dict(D=D, C=C, BC=triton.next_power_of_2(C), BD=block_d, num_warps=NUM_WARPS)))
     return u
+
+
+def row_requests(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
+    """Each of T packed rows' request under cu_seqlens [R + 1] (R for rows after the last request):
+    [T] int32, by `torch.searchsorted` on the device (no host sync; in a CUDA graph, captured)."""
+    rows = torch.arange(T, device=cu_seqlens.device, dtype=torch.int32)
+    return scratch(torch.searchsorted(cu_seqlens[1:].to(torch.int32), rows, right=True, out_int32=True))
 
 
 def default_split(T: int, R: int, seg: int) -> int:

@@ -160,8 +160,13 @@ def test_whole_step_graph_path_equals_torch_path(mixer, monkeypatch):
     gla_pool = raw_t[:, 3 + C * D: 3 + C * D + H * K * V].unflatten(1, (H, K, V))
     got = res.clone()
     monkeypatch.setenv("LAPLACE_VLLM_TRITON", "1")
+    ix = step_index.derive(padded)
     with torch.no_grad():
-        m._rows_graph(step_index.derive(padded), xn, got, conv_pool, gla_pool)
+        m._rows_graph(ix, xn, got, conv_pool, gla_pool)
+    # each row's request, kept for the step's other layers: the 3 decode rows, the prefill requests'
+    # rows, then the 5 padding rows past the last of the 8 (padded) requests
+    want_req = [0, 1, 2] + [3] * 2 + [4] * 17 + [5] + [8] * 5
+    assert ix.shared["row_req"].tolist() == want_req
     _assert_as_torch_path(m, md, got, want, res, raw_t, raw, slots)
 
 
