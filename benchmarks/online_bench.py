@@ -20,8 +20,9 @@ once per `--laplace-caching` mode (default off, then on; the first Laplace serve
 workload), on the peer with vLLM's defaults (prefix caching on).
 
 Servers use --max-num-seqs 256 (by Little's law 40 req/s of 2,048/256 at ~5 s a request keep ~200
-requests in flight; rate inf sends 256 at once) and vLLM's default CUDA-graph sizes (to 512 tokens),
---max-model-len 8,448 (8,192 + 256).
+requests in flight; rate inf sends 256 at once) and --max-model-len 8,448 (8,192 + 256); the graphs
+and the token budget a step are each model's defaults (the peer: vLLM's, graphs to 512 tokens;
+Laplace: the plugin's, whole steps as graphs to 1,024 tokens and 1,024 tokens a step).
 On CUDA both models run on vLLM's Model Runner V2 (0.26 picks it for Llama by itself, the plugin asks for
 it for Laplace: export/model_runner.py; the servers table says which runner each log names), with
 VLLM_USE_FLASHINFER_SAMPLER=0 (its JIT adds ~100 s to a start) and HF_HUB_OFFLINE=1.

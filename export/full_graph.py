@@ -12,10 +12,12 @@ What it takes (checked in Triton's CPU interpreter by tests/serve/test_conv.py, 
 and test_vllm_mixer.py; the choice of mode by test_full_graph.py; on a GPU by `gpu_all.sh fullcheck`):
 - launch grids that depend only on the step's padded size.  Inside a FULL capture the mixer
   (`LaplaceVllmMixer._rows_graph`) runs every request of the step, decode rows as one-token
-  requests, through `conv.conv_rows_inplace` (tiles of rows, whatever their requests) and the
-  serial prefill kernel (a program per request, head and value block, with one pipeline stage; a
-  one-token request takes the decode step's math).  The Python that picks paths by the batch's
-  decode and prefill counts runs once, at capture, so it cannot be used there.
+  requests, through `conv.conv_rows_inplace` (tiles of rows, whatever their requests) and two GLA
+  launches over all requests, each a program per request, head and value block: the decode kernel
+  steps the one-token requests (the decode step's math and registers), the serial prefill kernel
+  (one pipeline stage) the longer ones; each kernel's programs for the other's requests do nothing.
+  The Python that picks paths by the batch's decode and prefill counts runs once, at capture, so it
+  cannot be used there.
 - metadata at fixed addresses: `StateMetadataBuilder` copies the state indices into a buffer of its
   own (vLLM's query_start_loc and seq_lens are its persistent input buffers already) and declares
   `AttentionCGSupport.ALWAYS`; vLLM's LINEAR builder declares single-token decodes only, for which

@@ -79,9 +79,10 @@ STATE_DTYPES = (torch.float32, torch.float32)
 
 
 # The serial GLA kernel's pipeline stages in a whole-step graph (`_rows_graph`), where most of its
-# programs are decode rows (one-token requests: no chunk loop to pipeline).  Its bf16 default of 3
-# stages reserves 120 KB of shared memory a program (one program an SM on an H100/H200, whatever its
-# request), 1 stage 40 KB (five); benchmarks/ops/compile_sm90.py prints both.
+# programs are those of decode rows (one-token requests, stepped by the decode kernel: they exit at
+# once, but each holds an SM slot while it starts).  Its bf16 default of 3 stages reserves 120 KB of
+# shared memory a program (one program an SM on an H100/H200), 1 stage 40 KB (two, at its 255
+# registers); benchmarks/ops/compile_sm90.py prints both.
 WHOLE_STEP_GLA_STAGES = 1
 
 
@@ -225,9 +226,10 @@ class LaplaceVllmMixer(LaplaceMixer, MambaBase):
         or int8, cu 0..nd int32) of the decode rows; pf: (slots [R], keep [R], cu [R + 1] from the
         first prefill token) of the prefill requests; None where the step has none.  tape: the
         step's recording tape (x_dec, x_pf and residual are its roles "x_dec", "x_pf" and "res").
-        whole: pf holds the step's every request (`_rows_graph`): the conv by its row-tiled kernel
-        and the GLA by the serial one, whose grids depend on the sizes only; row_req: each row's
-        request (`conv.row_requests`), None: made by the conv.
+        whole: pf holds the step's every request (`_rows_graph`): the conv by its row-tiled kernel,
+        the GLA of one-token requests by the decode kernel and of the others by the serial one, all
+        with grids that depend on the sizes only; row_req: each row's request
+        (`conv.row_requests`), None: made by the conv.
 
         Only the conv and the GLA differ between decode rows (one-token kernels) and prefill
         requests (chunked kernels), and each writes its own rows of one output, so the projection,
@@ -262,8 +264,13 @@ class LaplaceVllmMixer(LaplaceMixer, MambaBase):
             qp, kp, vp = q[nd:], k[nd:], v[nd:]
             if tape is not None:
                 tape.step(qp, kp, vp)
+            if whole:
+                # the one-token requests (decode rows) by the decode kernel, the others by the serial
+                # one; each kernel's programs for the other's requests do nothing (see WHOLE_STEP_*)
+                gla_decode.gla_decode_inplace(gla_pool, pf[0], pf[1], qp, kp, vp, self.g_gamma, out=o_pf,
+                                              cu_seqlens=pf[2])
             gla_prefill.gla_prefill_inplace(gla_pool, pf[0], pf[1], qp, kp, vp, self.g_gamma, pf[2],
-                                            path="serial" if whole else None,
+                                            path="serial" if whole else None, skip_one=whole,
                                             num_stages=WHOLE_STEP_GLA_STAGES if whole else None, out=o_pf)
         self._mix_out_fused(q, k, v, g, o, residual, tape)
 

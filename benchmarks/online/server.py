@@ -35,9 +35,10 @@ def free_port() -> int:
 
 def server_cmd(folder: Path, port: int, dtype: str, max_len: int, max_seqs: int, cuda: bool,
                extra: list[str]) -> list[str]:
-    """The server's command line.  On CUDA, vLLM's own CUDA-graph sizes (up to min(2 x max_seqs, 512)
-    tokens, as a user gets them: a step that holds a short prefill beside the decodes runs in the
-    graphs too); on CPU, eager (no torch.compile).  `--jit-monitor-verbose`: vLLM's JIT monitor
+    """The server's command line, with no graph or token-budget flags: each model gets what a user
+    gets.  On CUDA that is vLLM's defaults for the peer (CUDA-graph sizes up to min(2 x max_seqs, 512)
+    tokens) and the plugin's for Laplace (whole steps as graphs up to 1,024 tokens, 1,024 tokens a
+    step: export/full_graph.py); on CPU, eager (no torch.compile).  `--jit-monitor-verbose`: vLLM's JIT monitor
     logs every compile while serving, not only each kernel's first (JIT_LINE counts them)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
            "--served-model-name", SERVED_NAME, "--dtype", dtype, "--max-model-len", str(max_len),

@@ -17,9 +17,10 @@ columns j of the chunk; all exponents <= 0):
 
 The padding rows of a partial last chunk load as zeros and get decay weight 0 (a select: their
 e^{γ(n-1-j)} would be a positive exponent).  A request of one token takes the decode step's float32
-math instead (S = λS + k v^T, o = K^-0.5 S^T q, as ops/gla_decode.py; gla_chunk_math's doc): a step
-that runs as one CUDA graph (export/full_graph.py) sends its decode rows here as one-token
-requests.  A request of no tokens (a row padding such a step) leaves its page untouched.
+math instead (S = λS + k v^T, o = K^-0.5 S^T q, as ops/gla_decode.py; gla_chunk_math's doc), or with
+SKIP_ONE is left to the decode kernel launched by request beside this one (a step that runs as one
+CUDA graph, export/full_graph.py, holds its decode rows as one-token requests).  A request of no
+tokens (a row padding such a step) leaves its page untouched.
 
 Precision: the state and every accumulation are float32.  `precision` picks the operands of the
 three products that involve float32 intermediates (the masked scores, the state, the decayed keys):
@@ -72,7 +73,7 @@ if triton is not None:
                             scale,
                             K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                             BT: tl.constexpr, QK_MODE: tl.constexpr, MODE: tl.constexpr,
-                            EMULATE: tl.constexpr):
+                            EMULATE: tl.constexpr, SKIP_ONE: tl.constexpr):
         r = tl.program_id(0)
         h = tl.program_id(1).to(tl.int64)
         vb = tl.program_id(2)
@@ -81,16 +82,24 @@ if triton is not None:
         slot = tl.load(slots_ptr + r).to(tl.int64)
         keep = tl.load(keep_ptr + r)
         g = tl.load(g_gamma_ptr + h).to(tl.float32)
+        # the requests this program steps: a request with no tokens (a row that pads a CUDA-graph
+        # batch) leaves its page alone (its slot may be another request's); with SKIP_ONE so does a
+        # one-token request (the decode kernel's, launched beside this one: ops/gla_decode.py)
+        mine = eos - bos > (1 if SKIP_ONE else 0)
 
         rk, rv, rt, mk, mv = _tile_ranges(vb, K, V, BK, BV, BT)
 
         s_ptrs = pool_ptr + slot * sp_slot + h * sp_h + rk[:, None] * sp_k + rv[None, :] * sp_v
-        s_mask = mk[:, None] & mv[None, :]
+        s_mask = mk[:, None] & mv[None, :] & mine
         s = tl.load(s_ptrs, mask=s_mask, other=0.0)
         # a select, not a product: a reused page may hold anything, NaN included
         s = tl.where(keep != 0, s, 0.0)
 
-        if eos - bos == 1:
+        if SKIP_ONE:
+            if mine:
+                s = _walk_chunks(s, q_ptr, k_ptr, v_ptr, o_ptr, bos, eos, h, g, rk, rv, rt, mk, mv,
+                                 sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, scale, BT, QK_MODE, MODE, EMULATE)
+        elif eos - bos == 1:
             # one token (gla_chunk_math's doc): the decode step's float32 math.  A request-level
             # branch outside the chunk loop: inside it, the loop's registers spilled 4x more
             q1 = _head_row(q_ptr, bos, sq_t, h, sq_h, rk, mk)
@@ -99,23 +108,30 @@ if triton is not None:
             tl.store(o_ptr + bos * so_t + h * so_h + rv,
                      (tl.sum(s * q1[:, None], axis=0) * scale).to(o_ptr.dtype.element_ty), mask=mv)
         else:
-            dmask, qdec = _chunk_decays(g, rt)
-            for t0 in range(bos, eos, BT):
-                rows = t0 + rt
-                mt = rows < eos
-                n = tl.minimum(eos - t0, BT).to(tl.float32)                  # real tokens here
-                q = _head_rows(q_ptr, rows, sq_t, h, sq_h, rk, mt, mk)
-                k = _head_rows(k_ptr, rows, sk_t, h, sk_h, rk, mt, mk)
-                v = _head_rows(v_ptr, rows, sv_t, h, sv_h, rv, mt, mv)
-                o = _chunk_output(q, k, v, s, dmask, qdec, QK_MODE, MODE, EMULATE)  # uses S entering the chunk
-                tl.store(o_ptr + rows[:, None] * so_t + h * so_h + rv[None, :],
-                         (o * scale).to(o_ptr.dtype.element_ty), mask=mt[:, None] & mv[None, :])
-                s = tl.exp(g * n) * s + _chunk_state(k, v, g, n, rt, MODE, EMULATE)
+            s = _walk_chunks(s, q_ptr, k_ptr, v_ptr, o_ptr, bos, eos, h, g, rk, rv, rt, mk, mv,
+                             sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, scale, BT, QK_MODE, MODE, EMULATE)
 
-        # a request with no tokens (a row that pads a CUDA-graph batch) leaves its page alone: its
-        # slot may be another request's
-        tl.store(s_ptrs, s, mask=s_mask & (eos > bos))
+        tl.store(s_ptrs, s, mask=s_mask)
 
+    @triton.jit
+    def _walk_chunks(s, q_ptr, k_ptr, v_ptr, o_ptr, bos, eos, h, g, rk, rv, rt, mk, mv,
+                     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, scale,
+                     BT: tl.constexpr, QK_MODE: tl.constexpr, MODE: tl.constexpr, EMULATE: tl.constexpr):
+        """Rows bos:eos of head h in chunks of BT from state s [BK, BV] (the module doc's math):
+        their o written, the state after them returned."""
+        dmask, qdec = _chunk_decays(g, rt)
+        for t0 in range(bos, eos, BT):
+            rows = t0 + rt
+            mt = rows < eos
+            n = tl.minimum(eos - t0, BT).to(tl.float32)                  # real tokens here
+            q = _head_rows(q_ptr, rows, sq_t, h, sq_h, rk, mt, mk)
+            k = _head_rows(k_ptr, rows, sk_t, h, sk_h, rk, mt, mk)
+            v = _head_rows(v_ptr, rows, sv_t, h, sv_h, rv, mt, mv)
+            o = _chunk_output(q, k, v, s, dmask, qdec, QK_MODE, MODE, EMULATE)  # uses S entering the chunk
+            tl.store(o_ptr + rows[:, None] * so_t + h * so_h + rv[None, :],
+                     (o * scale).to(o_ptr.dtype.element_ty), mask=mt[:, None] & mv[None, :])
+            s = tl.exp(g * n) * s + _chunk_state(k, v, g, n, rt, MODE, EMULATE)
+        return s
 
 
 def gla_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor, q: torch.Tensor,
@@ -124,7 +140,7 @@ def gla_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Ten
                         block_v: int = BLOCK_V, num_warps: int = NUM_WARPS,
                         num_stages: Optional[int] = None,
                         out_dtype: torch.dtype = torch.float32, path: Optional[str] = None,
-                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        out: Optional[torch.Tensor] = None, skip_one: bool = False) -> torch.Tensor:
     """Chunked GLA over the packed prefill tokens of R requests, continuing from and writing back
     their states in the pool.
 
@@ -138,7 +154,9 @@ def gla_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Ten
     `gla_prefill_chunked.prefill_path` from R, T and the shapes (or `forced_path`).  Returns o [T, H, V] in
     out_dtype (float32, or q's dtype as JAX's chunk_simple_gla returns it: one rounding of the
     float32 result; rows outside every request are left uninitialised).  out: where to write o ([T,
-    H, V] in out_dtype, last-dim stride 1; a row block of a buffer the caller shares), None: new."""
+    H, V] in out_dtype, last-dim stride 1; a row block of a buffer the caller shares), None: new.
+    skip_one: requests of one token are left alone, rows and pages (serial path only:
+    `gla_decode.gla_decode_inplace(..., cu_seqlens=)` steps them)."""
     require("export.ops.gla_prefill")
     T, H, K = q.shape
     V = v.shape[-1]
@@ -161,6 +179,8 @@ def gla_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Ten
     path = path or _forced_path or chunked.prefill_path(R, T, H, K, V, chunk, chunked.sm_count(q.device), block_v)
     if path not in ("serial", "chunked"):
         raise ValueError(f"path={path!r}: want 'serial', 'chunked' or None")
+    if skip_one and path != "serial":
+        raise ValueError(f"skip_one with path={path!r}: only the serial kernel leaves one-token requests alone")
     q, k, v = rowmajor(q), rowmajor(k), rowmajor(v)
     g_gamma = g_gamma.to(device=q.device, dtype=torch.float32).contiguous()
     cu_seqlens = cu_seqlens.to(torch.int32).contiguous()   # index dtypes fixed: one compile variant
@@ -178,7 +198,7 @@ def gla_prefill_inplace(pool: torch.Tensor, slots: torch.Tensor, keep: torch.Ten
         pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3),
         float(K) ** -0.5),
         dict(K=K, V=V, BK=BK, BV=BV, BT=chunk, QK_MODE=qk_mode, MODE=mode,
-             EMULATE=interpreting(), num_warps=num_warps,
+             EMULATE=interpreting(), SKIP_ONE=skip_one, num_warps=num_warps,
              num_stages=num_stages or {torch.float32: 1, torch.bfloat16: 3}.get(q.dtype, 2))))
     return o
 

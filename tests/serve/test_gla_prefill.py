@@ -85,3 +85,49 @@ def test_one_token_requests_take_the_decode_kernels_math(dtype):
                                            q, k, v, g_gamma, cu, 16, path="serial")
     assert torch.equal(o_pf, o_dec)
     assert torch.equal(p_pf.view(torch.int32), p_dec.view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_step_split_equals_the_serial_kernel_alone(dtype):
+    """A whole-step graph (export/full_graph.py) runs the decode kernel by request (one-token
+    requests only) and the serial kernel with skip_one (the others) over the same requests: each
+    leaves the other's rows and pages alone (NaN sentinels in o and on the pages stay), and the two
+    together equal the serial kernel's own one-token branch to the last bit, NaN pages of new
+    sequences and a request of no tokens on a live page included."""
+    from export.reference import split_heads
+
+    H, K, V = 2, 24, 40
+    lengths = [1, 5, 1, 17, 1, 0]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    T = int(cu[-1])
+    g = torch.Generator().manual_seed(5)
+    q, k, v, _ = split_heads(torch.randn(T, H * (2 * K + 2 * V), generator=g).to(dtype), H, K, V)
+    pool = torch.randn(9, H, K, V, generator=g)
+    slots = torch.tensor([3, 1, 7, 2, 8, 3])
+    keep = torch.tensor([True, False, True, False, True, True])
+    pool[slots[~keep]] = float("nan")
+    g_gamma = checks.check_g_gamma(H, "cpu")
+    one = torch.tensor([n == 1 for n in lengths])
+    rows_one = torch.cat([torch.full((n,), n == 1) for n in lengths])
+
+    p_ref = pool.clone()
+    o_ref = gla_prefill.gla_prefill_inplace(p_ref, slots, keep, q, k, v, g_gamma, cu, 16, path="serial")
+    bits = lambda t: t.view(torch.int32)
+
+    p_dec, o_dec = pool.clone(), torch.full((T, H, V), float("nan"))
+    gla_decode.gla_decode_inplace(p_dec, slots, keep, q, k, v, g_gamma, out=o_dec, cu_seqlens=cu)
+    assert torch.equal(bits(o_dec[rows_one]), bits(o_ref[rows_one])) and o_dec[~rows_one].isnan().all()
+    changed = (bits(p_dec) != bits(pool)).flatten(1).any(1)
+    assert changed.nonzero().flatten().tolist() == sorted(slots[one].tolist())
+
+    p_pf, o_pf = p_dec.clone(), o_dec.clone()
+    gla_prefill.gla_prefill_inplace(p_pf, slots, keep, q, k, v, g_gamma, cu, 16, path="serial", skip_one=True,
+                                    out=o_pf)
+    assert torch.equal(bits(o_pf), bits(o_ref)) and torch.equal(bits(p_pf), bits(p_ref))
+    alone = pool.clone()
+    gla_prefill.gla_prefill_inplace(alone, slots, keep, q, k, v, g_gamma, cu, 16, path="serial", skip_one=True)
+    assert torch.equal(bits(alone[slots[one]]), bits(pool[slots[one]]))
+
+    with pytest.raises(ValueError, match="skip_one with path='chunked'"):
+        gla_prefill.gla_prefill_inplace(pool.clone(), slots, keep, q, k, v, g_gamma, cu, 16, path="chunked",
+                                        skip_one=True)

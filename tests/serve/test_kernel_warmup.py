@@ -96,16 +96,16 @@ def _step_keys(m, md, monkeypatch, pad_rows: int, whole: bool = False) -> set:
     return launch_keys.keys(launches)
 
 
-@pytest.mark.parametrize("arch,dtype,variants", [(ODD, torch.bfloat16, 12), (EVEN, torch.bfloat16, 11),
-                                                 (EVEN, torch.float32, 10)], ids=["D36-bf16", "D40-bf16", "D40-f32"])
+@pytest.mark.parametrize("arch,dtype,variants", [(ODD, torch.bfloat16, 13), (EVEN, torch.bfloat16, 12),
+                                                 (EVEN, torch.float32, 12)], ids=["D36-bf16", "D40-bf16", "D40-f32"])
 def test_warm_up_covers_random_steps(arch, dtype, variants, monkeypatch):
     """Over 60 random steps (decode rows, prefill requests of 1 ... 300 tokens, mixes, padding
     rows), run eagerly and by the whole-step graph path, every key is one the warm-up recorded; the
     warm-up set is small and fixed: decode conv, decode GLA, gated mix (shared by decode and
     prefill), prefill conv (twice where a row of xn is not a multiple of 16 bytes), serial GLA
     prefill, the three chunked-prefill kernels, and the whole-step path's row-tiled conv and window
-    kernels and serial GLA prefill (fewer pipeline stages: `vllm_model.WHOLE_STEP_GLA_STAGES`; for
-    float32 the eager one has that many already)."""
+    kernels, decode GLA by request and serial GLA prefill (leaving one-token requests to the former;
+    fewer pipeline stages: `vllm_model.WHOLE_STEP_GLA_STAGES`)."""
     m, warm = _bound_mixer(arch, dtype)
     names = sorted(k[0] for k in warm)
     assert len(warm) == variants, names
