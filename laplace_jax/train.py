@@ -25,11 +25,15 @@ if __name__ == "__main__":
     _preset_local_devices(sys.argv[1:])
 
 import argparse
+import atexit
 import dataclasses
+import gc
+import inspect
 import logging
 import math
 import signal
 import time
+import types
 from pathlib import Path
 from typing import Any, Callable
 
@@ -710,13 +714,26 @@ def main(argv: list[str] | None = None) -> int:
 def _fail(err: Exception, status: int) -> int:
     """One `error:` line. A failed orbax restore or save can leave coroutines that were never awaited
     and tasks whose exception was never retrieved (ckpt.ROUTED_LOGGERS), held by the error's own
-    traceback; Python and asyncio would print each when it is freed, at exit ("Exception ignored in:
-    <coroutine ...>", "Task exception was never retrieved": up to hundreds of lines after the error;
-    orbax.log has the failures): the process is ending on a reported error, so they are dropped."""
+    traceback or by orbax until exit; Python and asyncio would print each when it is freed ("Exception
+    ignored in: <coroutine ...>", "Task exception was never retrieved", "RuntimeWarning: coroutine
+    ... was never awaited": up to hundreds of lines after the error; orbax.log has the failures): the
+    process is ending on a reported error, so they are dropped, and at exit the coroutines never
+    started are closed."""
     print(f"error: {err}", file=sys.stderr, flush=True)
     sys.unraisablehook = _drop_unawaited_coroutines
     logging.getLogger("asyncio").disabled = True
+    atexit.register(_close_unstarted_coroutines)
     return status
+
+
+def _close_unstarted_coroutines() -> None:
+    """Close every coroutine that was created and never started: one freed late in the interpreter's
+    shutdown would warn ("sys:1: RuntimeWarning: coroutine ... was never awaited") past any filter."""
+    gc.collect()
+    for obj in gc.get_objects():
+        # type(), not isinstance: the latter reads __class__, which some objects warn on (torch's)
+        if type(obj) is types.CoroutineType and inspect.getcoroutinestate(obj) == inspect.CORO_CREATED:
+            obj.close()
 
 
 def _drop_unawaited_coroutines(u) -> None:
