@@ -104,12 +104,34 @@ def pytest_unconfigure(config) -> None:
         os.environ.pop("LAPLACE_TEST_COMPILE_CACHE", None)
 
 
+def _xdist_worker_cpus() -> str | None:
+    """Under pytest-xdist, this worker's share of the allowed CPUs as a VLLM_CPU_OMP_THREADS_BIND
+    list ('1', or '0,1' where there are more CPUs than workers); None in a lone process.
+
+    vLLM's default ('auto') binds a CPU worker's threads to the allowed CPUs less one it reserves:
+    on CI's 2 cores every engine pins its worker process to CPU 0, so the two xdist workers' engines
+    queue on one core while the other idles (two concurrent vllm_check.py runs: 52-54 s, 39-42 s on
+    CPUs of their own). Giving each xdist worker its own CPUs keeps the engine's thread count (one
+    on 2 cores, as 'auto' has) and its arithmetic; only where its threads run changes."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if not worker.startswith("gw") or count < 2:
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    index = int(worker[2:])
+    mine = cpus[index::count] or [cpus[index % len(cpus)]]
+    return ",".join(map(str, mine))
+
+
 def cpu_vllm_env(**extra: str) -> dict:
-    """The environment for a vLLM CPU subprocess: a small KV/state space (1 GiB) unless set, and no
-    VLLM_USE_V2_MODEL_RUNNER (CPU vLLM refuses the V2 runner: 'Model Runner V2 requires Triton');
-    `extra` wins over both."""
+    """The environment for a vLLM CPU subprocess: a small KV/state space (1 GiB) unless set, no
+    VLLM_USE_V2_MODEL_RUNNER (CPU vLLM refuses the V2 runner: 'Model Runner V2 requires Triton'),
+    and under xdist this worker's own CPUs for the engine's threads unless set (`_xdist_worker_cpus`);
+    `extra` wins over all three."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_USE_V2_MODEL_RUNNER"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if cpus := _xdist_worker_cpus():
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpus)
     env.update(extra)
     return env
 
