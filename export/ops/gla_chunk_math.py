@@ -8,10 +8,10 @@ Per chunk of BT rows (n real tokens; rows i, columns j; all exponents <= 0):
     o = ((q k^T) ⊙ [i >= j] e^{γ(i-j)}) v  +  e^{γ(i+1)} (q S)          (`_chunk_output`)
     U = (k ⊙ [j < n] e^{γ(n-1-j)})^T v                                   (`_chunk_state`)
 
-A request of one token (a decode row of a step run as one CUDA graph, export/full_graph.py) takes
-the decode step's math in both paths instead: S' = e^γ S + k v^T (`_one_token_state`, the same value as
-`_chunk_state` for n = 1), o = K^-0.5 S'^T q as a float32 sum, no tensor-core products over masked
-rows and no rounding of the state to bf16.
+A request of one token takes the decode step's math in both paths instead (a step run as one CUDA
+graph, export/full_graph.py, hands its decode rows to the decode kernel itself): S' = e^γ S + k v^T
+(`_one_token_state`, the same value as `_chunk_state` for n = 1), o = K^-0.5 S'^T q as a float32
+sum, no tensor-core products over masked rows and no rounding of the state to bf16.
 
 `_modes` picks the products' operand precision (the precision notes are in gla_prefill's doc).
 """

@@ -89,12 +89,12 @@ if triton is not None:
 
     @triton.jit
     def _chunk_rows(cu_ptr, R, BT: tl.constexpr):
-        """(c, first row t0, end of its request eos, rows t0 + [0, BT), rows < eos) of this program's
-        chunk c (grid axis 0)."""
+        """(c, first row t0, end of its request eos, start of its request bos, rows t0 + [0, BT),
+        rows < eos) of this program's chunk c (grid axis 0)."""
         c = tl.program_id(0)
-        t0, eos, _ = _chunk_span(c, cu_ptr, R, BT)
+        t0, eos, bos = _chunk_span(c, cu_ptr, R, BT)
         rows = t0 + tl.arange(0, BT)
-        return c, t0, eos, rows, rows < eos
+        return c, t0, eos, bos, rows, rows < eos
 
     _IDX = ["cu_ptr", "slots_ptr", "keep_ptr"]    # read once per program: alignment is no variant
 
@@ -103,7 +103,7 @@ if triton is not None:
                             sk_t, sk_h, sv_t, sv_h, sb_c, sb_h, sb_k,
                             K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                             BT: tl.constexpr, MODE: tl.constexpr, EMULATE: tl.constexpr):
-        c, t0, eos, rows, mt = _chunk_rows(cu_ptr, R, BT)
+        c, t0, eos, _, rows, mt = _chunk_rows(cu_ptr, R, BT)
         h = tl.program_id(1).to(tl.int64)
         vb = tl.program_id(2)
         g = tl.load(g_gamma_ptr + h).to(tl.float32)
@@ -158,10 +158,7 @@ if triton is not None:
                           K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                           BT: tl.constexpr, QK_MODE: tl.constexpr, MODE: tl.constexpr,
                           EMULATE: tl.constexpr):
-        c = tl.program_id(0)
-        t0, eos, bos = _chunk_span(c, cu_ptr, R, BT)
-        rows = t0 + tl.arange(0, BT)
-        mt = rows < eos
+        c, t0, eos, bos, rows, mt = _chunk_rows(cu_ptr, R, BT)
         h = tl.program_id(1).to(tl.int64)
         vb = tl.program_id(2)
         g = tl.load(g_gamma_ptr + h).to(tl.float32)
