@@ -28,9 +28,9 @@ PROMPTS = ["The", "Once upon a time there was a little",
            "The history of the city begins in the early days of the river trade, when merchants"]
 MAX_NEW = 24
 # Random weights whose greedy steps all have a top-2 logit gap far above float32 rounding (the test
-# asserts it): over 72 steps some gap is often near 0 (seeds 0, 3, 6 of export.random_weights); 5's
-# smallest is 0.038.
-SEED = 5
+# asserts it): over 72 steps some gap is often near 0 (seeds 3 and 5 of export.random_weights: 0.0033,
+# 0.0035 against a bound of 0.0044); 7's smallest is 0.0149.
+SEED = 7
 
 
 @pytest.fixture(scope="module")
