@@ -10,7 +10,8 @@
 #   bash benchmarks/gpu_all.sh online OUT --workloads sweep  # online serving (online_bench.py; <= 590 s a call)
 #   bash benchmarks/gpu_all.sh trainer OUT [ARGS] # the user's 3B command as shipped (+ ARGS), host RSS over its run
 #   bash benchmarks/gpu_all.sh mixed OUT   # a prompt arriving beside 12 decoding requests: Laplace and the peer
-#   bash benchmarks/gpu_all.sh fullcheck OUT # whole-step CUDA graphs against vLLM's mode in float32 (tiny config, ~3 min)
+#   bash benchmarks/gpu_all.sh fullcheck OUT [ARGS] # whole-step CUDA graphs against vLLM's mode in float32 (tiny
+#                                            # config, ~3 min); e.g. --cached-prefix 64 --block-size 32: with prefix caching
 # Wheels the GPU image lacks (fla-core, einops) are installed from .whl/ when present. Each part
 # runs under its own time limit so one hang cannot eat the whole call; logs land in OUT.
 set -uo pipefail
@@ -103,8 +104,8 @@ fullcheck)
 from prefill_host import tiny_folder; tiny_folder(Path('/tmp/tiny_laplace'), 4096)"
     timeout 300 python3 benchmarks/prefill_host.py --out "$out/fullcheck" --model-dir /tmp/tiny_laplace \
         --dtype float32 --lengths 32,64 --reps 2 --decodes 3 --budget 128 --max-num-seqs 64 --graphs-ab \
-        > "$out/fullcheck.log" 2>&1
-    echo "== rc $?"; grep -a "full vs piecewise\|replay vs live" "$out/fullcheck.log" | cut -c1-300 ;;
+        "${@:3}" > "$out/fullcheck.log" 2>&1
+    echo "== rc $?"; grep -a "full vs piecewise\|replay vs live\|cached tokens" "$out/fullcheck.log" | cut -c1-300 ;;
 *) echo "usage: $0 gla|ops|kernels|train|serve|profile|pair|online|trainer|mixed|fullcheck OUT" >&2; exit 2 ;;
 esac
 rm -f "$out"/*/bench.md

@@ -323,16 +323,20 @@ def agreement_run(llm, a) -> dict:
     lens = [n for n in (37, 300, 1000, max(a.lengths)) if n <= max(a.lengths)]
     # then prompts of 5 ... 300 tokens (535 in all): one step that a whole-step CUDA graph runs
     # (export/full_graph.py), their decode steps too
-    short = [n for n in (5, 37, 64, 129, 300) if n + 8 <= a.max_len]
+    short = [n for n in (5, 37, 64, 129, 300) if a.cached_prefix + n + 8 <= a.max_len]
     lens += short
-    prompts = [make_prompts(1, n, seed=20 + i)[0] for i, n in enumerate(lens)]
+    # with --cached-prefix each prompt follows the shared prefix that mixed_row put in the cache: the
+    # agreement then compares steps that start from restored state pages
+    pre = make_prompts(1, a.cached_prefix, seed=51)[0] if a.cached_prefix else []
+    prompts = [pre + make_prompts(1, n, seed=20 + i)[0] for i, n in enumerate(lens)]
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False, logprobs=0)
     outs = []
     for batch in (prompts[:len(lens) - len(short)], prompts[len(lens) - len(short):]):
         outs += llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
     toks = [list(o.outputs[0].token_ids) for o in outs]
     lps = [[float(d[t].logprob) for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
-    return {"prompt_lens": lens, "tokens": toks, "logprobs": lps}
+    return {"prompt_lens": lens, "tokens": toks, "logprobs": lps,
+            "cached_tokens": [getattr(o, "num_cached_tokens", None) for o in outs]}
 
 
 def compare(a: dict, b: dict) -> dict:
@@ -444,6 +448,8 @@ def main(argv=None) -> int:
         status = 1
     (out / "prefill_host.json").write_text(json.dumps(result, indent=2) + "\n")
     for name, res in result["models"].items():
+        if res["agreement"].get("cached_tokens") and any(res["agreement"]["cached_tokens"]):
+            print(f"{name:8s} agreement prompts' cached tokens: {res['agreement']['cached_tokens']}")
         for r in res["rows"]:
             print(f"{name:8s} {r['prompt_len']:6d} tokens: wall {r['wall_ms']:.2f} ms, forward GPU "
                   f"{r['forward_gpu_ms'] if r['forward_gpu_ms'] is None else round(r['forward_gpu_ms'], 2)} ms,"

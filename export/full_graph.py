@@ -27,8 +27,7 @@ and test_vllm_mixer.py; the choice of mode by test_full_graph.py; on a GPU by `g
   requests without tokens untouched and give padding rows zeros.
 
 The defaults: for the OpenAI server (`server_defaults`, from vLLM's engine arguments), FULL where
-the user set no cudagraph_mode, on CUDA with Model Runner V2 and without prefix caching (whose
-'align' state indices come from a gather vLLM makes each step, which a graph would not follow),
+the user set no cudagraph_mode, on CUDA with Model Runner V2 and without prefix caching,
 capture sizes up to GRAPH_TOKENS, and where the user set no token budget, GRAPH_TOKENS a step: a long
 prompt is prefilled in chunks (vLLM's chunked prefill) that each run as a graph, so a running
 request's next token waits on at most one such step (issue 32 item 4).  Larger steps run without
@@ -36,7 +35,10 @@ graphs.  The offline engine (`vllm.LLM`) keeps vLLM's FULL_AND_PIECEWISE: its de
 one-token decode kernels, faster than decode rows through the whole-step path (one H100, 12 rows:
 4.47-4.56 against 5.25-5.28 ms a step, BENCHMARKS.md run S20 a), and its big prefill steps are
 outside any graph either way.  LAPLACE_VLLM_FULL_GRAPHS=1 asks for FULL in any engine (the config
-hook, `choose`), =0 in none; a cudagraph_mode or token budget of the user's own is kept.
+hook, `choose`), =0 in none; a cudagraph_mode or token budget of the user's own is kept.  With
+prefix caching ('align' mode) the state indices come from export/prefix_cache.py's builder, which
+keeps them in a buffer of its own as `StateMetadataBuilder` does; whole-step graphs run there only
+with LAPLACE_VLLM_FULL_GRAPHS=1 until a GPU has checked them against vLLM's mode.
 """
 import logging
 import os
@@ -61,11 +63,13 @@ def wanted(*, user_mode: bool, cuda: bool, v2: bool, prefix_caching: bool, eager
            environ: Mapping[str, str] = os.environ) -> bool:
     """Whether to run whole steps as graphs: for the OpenAI server (LAPLACE_VLLM_FULL_GRAPHS=1: for
     any engine; =0: for none), where the user chose no cudagraph_mode, on CUDA with Model Runner V2,
-    without prefix caching or enforce_eager."""
+    without enforce_eager, and with prefix caching only where =1 asks for it."""
     switch = environ.get(ENV)
     if switch == "0" or not (server or switch == "1"):
         return False
-    return not user_mode and cuda and v2 and not prefix_caching and not eager
+    if prefix_caching and switch != "1":     # 'align' states under whole-step graphs: not yet run on a GPU
+        return False
+    return not user_mode and cuda and v2 and not eager
 
 
 def _set_full(cc) -> None:
@@ -150,9 +154,20 @@ def capturing_whole_step(x: torch.Tensor, compilation_config) -> bool:
             and compilation_config.cudagraph_mode == CUDAGraphMode.FULL)
 
 
+def own_slots(slots: torch.Tensor, md):
+    """`md` (vLLM's linear-attention metadata) with its state indices copied into `slots` [max_num_seqs]
+    int32, a buffer of the builder's own: a replayed graph reads the captured address, where vLLM's
+    builders hand over a view of a buffer it rewrites, or a fresh gather ('align' mode)."""
+    n = md.state_indices_tensor.shape[0]
+    if n <= slots.shape[0]:
+        slots[:n].copy_(md.state_indices_tensor, non_blocking=True)
+        md.state_indices_tensor = slots[:n]
+    return md
+
+
 class StateMetadataBuilder(LinearAttentionMetadataBuilder):
-    """vLLM's LINEAR metadata, with the state indices in a buffer of the builder's own (a graph
-    replays reads of the captured addresses) and full CUDA graphs declared for any batch."""
+    """vLLM's LINEAR metadata, with the state indices in a buffer of the builder's own (`own_slots`)
+    and full CUDA graphs declared for any batch."""
 
     _cudagraph_support = AttentionCGSupport.ALWAYS
 
@@ -161,12 +176,7 @@ class StateMetadataBuilder(LinearAttentionMetadataBuilder):
         self._slots = torch.zeros(vllm_config.scheduler_config.max_num_seqs, dtype=torch.int32, device=device)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
-        md = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        n = md.state_indices_tensor.shape[0]
-        if n <= self._slots.shape[0]:
-            self._slots[:n].copy_(md.state_indices_tensor, non_blocking=True)
-            md.state_indices_tensor = self._slots[:n]
-        return md
+        return own_slots(self._slots, super().build(common_prefix_len, common_attn_metadata, fast_build))
 
 
 class StateBackend(LinearAttentionBackend):

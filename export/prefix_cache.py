@@ -22,15 +22,15 @@ offers two modes for it (`--mamba-cache-mode`):
   our prefill kernels would have to write per-block states (a kernel change) and 0.32 has no such
   mode, so 'align' it is, on both versions.
 
-The metadata builder is the LINEAR backend's subclass for Bailing linear attention (in vLLM's
-linear_attn.py in 0.26 and 0.32; the mixer returns it from `get_attn_backend` when the mode is
-'align'): the same fields, and for a decode-only batch under a full CUDA graph it copies the state
-indices into a persistent buffer (padded rows PAD_SLOT_ID).  The plain LINEAR builder hands over
-`block_table[:, 0]`, a view of vLLM's persistent block table, which a captured graph may keep
-reading; in 'align' mode it hands over a fresh `torch.gather` result instead, whose address a
-replayed graph does not follow.  Bailing's builder is vLLM's own path for linear attention with
-'align' prefix caching (its hybrid model), so that one is used, and only then: without caching the
-mixer keeps the LINEAR backend.
+The metadata builder (`AlignStateMetadataBuilder`) is a subclass of the LINEAR backend's subclass
+for Bailing linear attention (in vLLM's linear_attn.py in 0.26 and 0.32; the mixer returns it from
+`get_attn_backend` when the mode is 'align'), vLLM's own path for linear attention with 'align'
+prefix caching (its hybrid model).  In 'align' mode vLLM's builders hand over a fresh
+`torch.gather` of the block table, whose address a replayed graph does not follow; Bailing's copies
+it into a buffer of its own for decode-only batches under a full CUDA graph (padded rows
+PAD_SLOT_ID).  Ours copies it for any batch, as export/full_graph.py's builder does without caching,
+and declares full graphs for any batch, so that whole-step graphs can run with caching too.
+Without caching the mixer keeps the LINEAR backend.
 
 vLLM 0.26 picks 'all' for a model that declares `SupportsMambaPrefixCaching`, so the hook sets
 'align' first (and refuses an explicit 'all'); vLLM's own `MambaModelConfig` then does the rest
@@ -52,6 +52,15 @@ nothing.  The model names vLLM's Mamba state class itself in 'align' mode
 (`LaplaceForCausalLM.get_model_state_cls`, which V2 asks first; 0.32 picks that class for
 attention-free models anyway), so caching works on both runners.
 """
+import torch
+
+from vllm.v1.attention.backend import AttentionCGSupport
+from vllm.v1.attention.backends.linear_attn import (BailingLinearAttentionBackend,
+                                                    BailingLinearAttentionMetadataBuilder)
+
+from export.full_graph import own_slots
+
+
 class PrefixCacheError(ValueError):
     """A prefix-caching setting this model cannot serve; the message names the flag to change."""
 
@@ -68,10 +77,33 @@ def choose_mamba_cache_mode(enable_prefix_caching: bool, mode: str) -> str:
     return "align"
 
 
+class AlignStateMetadataBuilder(BailingLinearAttentionMetadataBuilder):
+    """Bailing's metadata ('align' state indices: the block each request's step reads and writes),
+    with the state indices in a buffer of the builder's own for any batch (`own_slots`), so that a
+    whole-step graph (export/full_graph.py) follows them: Bailing's builder keeps a buffer of its own
+    for decode-only batches only, and hands a mixed batch a fresh gather."""
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
+        return AttentionCGSupport.ALWAYS
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._slots = torch.zeros(vllm_config.scheduler_config.max_num_seqs, dtype=torch.int32, device=device)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False, **kw):
+        return own_slots(self._slots, super().build(common_prefix_len, common_attn_metadata, fast_build, **kw))
+
+
+class AlignStateBackend(BailingLinearAttentionBackend):
+    """Bailing's backend (its name too) with `AlignStateMetadataBuilder`."""
+
+    @staticmethod
+    def get_builder_cls():
+        return AlignStateMetadataBuilder
+
+
 def state_backend(mamba_cache_mode: str):
     """The attention backend class for the mixer's state metadata in this mode, or None for the
     default of its `mamba_type` (LINEAR)."""
-    if mamba_cache_mode != "align":
-        return None
-    from vllm.v1.attention.backends.linear_attn import BailingLinearAttentionBackend
-    return BailingLinearAttentionBackend
+    return AlignStateBackend if mamba_cache_mode == "align" else None

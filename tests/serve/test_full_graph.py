@@ -28,6 +28,8 @@ def test_wanted_for_the_server_where_the_user_chose_nothing_and_vllm_can_run_it(
                        ("eager", True), ("server", False)):
         assert not full_graph.wanted(**{**BASE, key: value}, environ={}), key
     assert not full_graph.wanted(**BASE, environ={full_graph.ENV: "0"})
+    # with prefix caching only where asked for (not yet checked on a GPU against vLLM's mode)
+    assert full_graph.wanted(**{**BASE, "prefix_caching": True}, environ={full_graph.ENV: "1"})
     # =1: the offline engine too (prefill_host's A/B), still not against the user's own mode
     assert full_graph.wanted(**{**BASE, "server": False}, environ={full_graph.ENV: "1"})
     assert not full_graph.wanted(**{**BASE, "server": False, "user_mode": True}, environ={full_graph.ENV: "1"})
@@ -50,7 +52,7 @@ def _config(**compilation):
 def test_the_config_hook_sets_full_only_when_asked(on_cuda):
     """`choose` (the config hook, any engine): FULL and graphs to GRAPH_TOKENS with
     LAPLACE_VLLM_FULL_GRAPHS=1 on V2; nothing without it (the server's defaults come earlier), on
-    V1, with prefix caching or against the user's mode; the user's capture sizes stay."""
+    V1 or against the user's mode; with prefix caching only with =1; the user's capture sizes stay."""
     on = {"VLLM_USE_V2_MODEL_RUNNER": "1", full_graph.ENV: "1"}
     cfg = _config(cudagraph_mode=None, max_cudagraph_capture_size=None, cudagraph_capture_sizes=None)
     assert full_graph.choose(cfg, environ=on)
@@ -63,10 +65,12 @@ def test_the_config_hook_sets_full_only_when_asked(on_cuda):
     cached.cache_config.enable_prefix_caching = True
     for cfg, env in ((_config(cudagraph_mode=CUDAGraphMode.PIECEWISE), on),
                      (_config(cudagraph_mode=None), {"VLLM_USE_V2_MODEL_RUNNER": "1"}),
-                     (_config(cudagraph_mode=None), {full_graph.ENV: "1"}), (cached, on)):
+                     (_config(cudagraph_mode=None), {full_graph.ENV: "1"}),
+                     (cached, {"VLLM_USE_V2_MODEL_RUNNER": "1"})):
         before = cfg.compilation_config.cudagraph_mode
         assert not full_graph.choose(cfg, environ=env)
         assert cfg.compilation_config.cudagraph_mode == before
+    assert full_graph.choose(cached, environ=on)        # caching too, where =1 asks for it
 
 
 LAP = types.SimpleNamespace(architectures=[full_graph.ARCH])
@@ -120,3 +124,22 @@ def test_the_builder_declares_full_graphs_for_any_batch():
     assert full_graph.StateMetadataBuilder._cudagraph_support == AttentionCGSupport.ALWAYS
     assert full_graph.StateBackend.get_builder_cls() is full_graph.StateMetadataBuilder
     assert not full_graph.capturing_whole_step(torch.zeros(2), types.SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL))
+
+
+def test_the_builders_keep_state_indices_at_one_address():
+    """Both builders (without caching and 'align') declare full graphs for any batch and hand every
+    build's state indices over in the same buffer: a replayed graph reads the captured address."""
+    from export.prefix_cache import AlignStateMetadataBuilder, state_backend
+
+    assert AlignStateMetadataBuilder.get_cudagraph_support(None, None) == AttentionCGSupport.ALWAYS
+    assert state_backend("align").get_builder_cls() is AlignStateMetadataBuilder
+    slots = torch.full((4,), -7, dtype=torch.int32)
+
+    def md(ids):
+        return types.SimpleNamespace(state_indices_tensor=torch.tensor(ids, dtype=torch.int32))
+
+    first, again = full_graph.own_slots(slots, md([5, 2])), full_graph.own_slots(slots, md([3, 9, 1]))
+    assert first.state_indices_tensor.data_ptr() == again.state_indices_tensor.data_ptr() == slots.data_ptr()
+    assert again.state_indices_tensor.tolist() == [3, 9, 1] and slots.tolist() == [3, 9, 1, -7]
+    over = torch.arange(5, dtype=torch.int32)        # more requests than the buffer: left as vLLM made it
+    assert full_graph.own_slots(slots, types.SimpleNamespace(state_indices_tensor=over)).state_indices_tensor is over

@@ -58,7 +58,7 @@ def test_smoke_rows_host_split_and_agreement(tmp_path):
 def test_mixed_rows_after_a_cached_prefix(tmp_path):
     """--cached-prefix 64 --block-size 32: caching on in the engine, and every arrival's first 64
     tokens (two whole blocks, put in the cache by the priming request) come from the cache, as vLLM's
-    own count of the request's cached tokens says."""
+    own count of the request's cached tokens says; so do the agreement run's prompts."""
     r = subprocess.run([sys.executable, str(BENCHMARKS / "prefill_host.py"), "--smoke", "--out", str(tmp_path),
                         "--reps", "2", "--decodes", "2", "--lengths", "40", "--cached-prefix", "64",
                         "--block-size", "32"],
@@ -68,6 +68,8 @@ def test_mixed_rows_after_a_cached_prefix(tmp_path):
     assert res["engine"]["enable_prefix_caching"] is True and res["engine"]["block_size"] == 32
     (row,) = res["mixed_rows"]
     assert row["cached_prefix"] == 64 and row["cached_tokens"] == [64, 64], row
+    # the agreement run's prompts follow the same prefix: each starts from the restored state
+    assert res["agreement"]["cached_tokens"] == [64] * len(res["agreement"]["prompt_lens"]), res["agreement"]
 
 
 def test_clock_counts_gc_pauses_and_cpu_time_inside_the_wall():
