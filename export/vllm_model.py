@@ -78,12 +78,6 @@ def state_shapes(cfg: Arch):
 STATE_DTYPES = (torch.float32, torch.float32)
 
 
-# The serial GLA kernel's pipeline stages in a whole-step graph (`_rows_graph`), where most of its
-# programs are those of decode rows (one-token requests, stepped by the decode kernel: they exit at
-# once, but each holds an SM slot while it starts).  Its bf16 default of 3 stages reserves 120 KB of
-# shared memory a program (one program an SM on an H100/H200), 1 stage 40 KB (two, at its 255
-# registers); benchmarks/ops/compile_sm90.py prints both.
-WHOLE_STEP_GLA_STAGES = 1
 
 
 class LaplaceVllmMixer(LaplaceMixer, MambaBase):
@@ -271,7 +265,7 @@ class LaplaceVllmMixer(LaplaceMixer, MambaBase):
                                               cu_seqlens=pf[2])
             gla_prefill.gla_prefill_inplace(gla_pool, pf[0], pf[1], qp, kp, vp, self.g_gamma, pf[2],
                                             path="serial" if whole else None, skip_one=whole,
-                                            num_stages=WHOLE_STEP_GLA_STAGES if whole else None, out=o_pf)
+                                            num_stages=gla_prefill.WHOLE_STEP_STAGES if whole else None, out=o_pf)
         self._mix_out_fused(q, k, v, g, o, residual, tape)
 
     def _project(self, u, tape):

@@ -61,6 +61,12 @@ from export.ops.triton_switch import checked_out, interpreting, require, rowmajo
 # tokens (H200, BENCHMARKS run S8); 8 warps, BV 32 or 128, and 32- or 128-token chunks were slower.
 BLOCK_V = 64
 NUM_WARPS = 4
+# The serial kernel's pipeline stages in a whole-step graph (export/full_graph.py), where most of its
+# programs are those of decode rows (one-token requests, stepped by the decode kernel: they exit at
+# once, but each holds an SM slot while it starts).  Its bf16 default of 3 stages reserves 120 KB of
+# shared memory a program (one program an SM on an H100/H200), 1 stage 40 KB (two, at its 255
+# registers); benchmarks/ops/compile_sm90.py prints both.
+WHOLE_STEP_STAGES = 1
 CHUNK = 64
 
 if triton is not None:

@@ -105,7 +105,7 @@ def test_warm_up_covers_random_steps(arch, dtype, variants, monkeypatch):
     prefill), prefill conv (twice where a row of xn is not a multiple of 16 bytes), serial GLA
     prefill, the three chunked-prefill kernels, and the whole-step path's row-tiled conv and window
     kernels, decode GLA by request and serial GLA prefill (leaving one-token requests to the former;
-    fewer pipeline stages: `vllm_model.WHOLE_STEP_GLA_STAGES`)."""
+    fewer pipeline stages: `gla_prefill.WHOLE_STEP_STAGES`)."""
     m, warm = _bound_mixer(arch, dtype)
     names = sorted(k[0] for k in warm)
     assert len(warm) == variants, names
