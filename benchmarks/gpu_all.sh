@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_all.sh online OUT --workloads sweep  # online serving (online_bench.py; <= 590 s a call)
 #   bash benchmarks/gpu_all.sh trainer OUT [ARGS] # the user's 3B command as shipped (+ ARGS), host RSS over its run
 #   bash benchmarks/gpu_all.sh mixed OUT   # a prompt arriving beside 12 decoding requests: Laplace and the peer
+#   bash benchmarks/gpu_all.sh kinds OUT [KEY=VALUE ...] # the trainer's 3B step by kind: time, FLOPs, bytes (step_kinds.py)
 #   bash benchmarks/gpu_all.sh fullcheck OUT [ARGS] # whole-step CUDA graphs against vLLM's mode in float32 (tiny
 #                                            # config, ~3 min); e.g. --cached-prefix 64 --block-size 32: with prefix caching
 # Wheels the GPU image lacks (fla-core, einops) are installed from .whl/ when present. Each part
@@ -95,6 +96,12 @@ trainer)
     CUDA_VISIBLE_DEVICES=0 trainer 240 "$first" "${@:3}"
     m=$(grep -o "use train.micro_batch=[0-9]*" "$out/train_$first.log" | head -1 | cut -d= -f2)
     [ -n "$m" ] && CUDA_VISIBLE_DEVICES=0 trainer 300 "mb$m" "${@:3}" train.micro_batch="$m" ;;
+kinds)
+    # issue 34 item 1: the shipped 3B config's train step (its micro-batch; ARGS override, e.g.
+    # train.micro_batch=4 where 16 does not fit) by kind of work, kernel times from one profiled step
+    CUDA_VISIBLE_DEVICES=0 timeout 400 python3 benchmarks/step_kinds.py --config laplace_3b --profile \
+        --out "$out/kinds" "${@:3}" > "$out/kinds.log" 2>&1
+    echo "== rc $?"; tail -14 "$out/kinds.log" | cut -c1-250; gzip -f "$out/kinds/step_hlo.txt" ;;
 fullcheck)
     # export/full_graph.py's whole-step graphs against vLLM's FULL_AND_PIECEWISE on the tiny config in
     # float32, 128 tokens a step (every step of the agreement run mixes prefill chunks with decodes and
@@ -106,7 +113,7 @@ from prefill_host import tiny_folder; tiny_folder(Path('/tmp/tiny_laplace'), 409
         --dtype float32 --lengths 32,64 --reps 2 --decodes 3 --budget 128 --max-num-seqs 64 --graphs-ab \
         "${@:3}" > "$out/fullcheck.log" 2>&1
     echo "== rc $?"; grep -a "full vs piecewise\|replay vs live\|cached tokens" "$out/fullcheck.log" | cut -c1-300 ;;
-*) echo "usage: $0 gla|ops|kernels|train|serve|profile|pair|online|trainer|mixed|fullcheck OUT" >&2; exit 2 ;;
+*) echo "usage: $0 gla|ops|kernels|train|serve|profile|pair|online|trainer|mixed|kinds|fullcheck OUT" >&2; exit 2 ;;
 esac
 rm -f "$out"/*/bench.md
 grep -h "^\[bench\]\|^\[micro\]" "$out"/*.log 2>/dev/null | cut -c1-260

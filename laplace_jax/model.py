@@ -42,6 +42,9 @@ F32 = jnp.float32
 #   neither Pallas forward kernel (~10 KB per token and layer in bf16);
 # - the bf16 inputs of the next GEMMs (conv output, gated mix, FFN norm, GLU): the backward then
 #   recomputes no standalone forward work, for ~40 KB more per token and layer.
+# the chunked GLA's name scope: its ops' HLO metadata says GLA (benchmarks/step_kinds.py; its chunk
+# matmuls are dots like the dense layers')
+GLA_SCOPE = "chunked_gla"
 _DENSE_OUT = ("dense_out",)
 _GLA_SAVED = ("gla_out", "gla_chunk_states")
 _GEMM_INPUTS = ("conv_out", "mix_out", "ffn_in", "glu_out")
@@ -198,9 +201,10 @@ def _layer_seq(net: Net, lp: Params, x: Array, g_gamma: Array, chunking: dict[st
                           None if st is None else st["conv"])
     qkvg = _dense(checkpoint_name(u.astype(cdt), "conv_out"), lp["w_qkvg"], net).astype(cdt)
     q, k, v, g = _split_qkvg(net, qkvg)
-    o, gla_state = chunk_simple_gla(q, k, v, g_gamma, unroll=net.ex.gla_unroll, hand_off=net.ex.gla_hand_off,
-                                    impl=net.ex.gla_impl, initial_state=None if st is None else st["gla"],
-                                    **chunking)
+    with jax.named_scope(GLA_SCOPE):
+        o, gla_state = chunk_simple_gla(q, k, v, g_gamma, unroll=net.ex.gla_unroll, hand_off=net.ex.gla_hand_off,
+                                        impl=net.ex.gla_impl, initial_state=None if st is None else st["gla"],
+                                        **chunking)
     x = x + _mix_out(net, lp, q, k, v, g, checkpoint_name(o, "gla_out"))
     x = x + _ffn(net, lp, x)
     return x, {"conv": window.astype(F32), "gla": gla_state}
