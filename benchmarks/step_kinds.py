@@ -176,7 +176,8 @@ def kind_of(mod: Module, ops: list[Instr]) -> str:
         return "optimizer: Muon Newton-Schulz"
     if in_files("laplace_jax/optim/", "/optax/"):
         return "optimizer: AdamW & other updates"
-    if f"/{GLA_SCOPE}/" in names or ("custom-call" in codes and "gla" in names.lower()):
+    # a scope's name in op_name is wrapped by the transforms applied to it: 'jvp(chunked_gla)/...'
+    if re.search(rf"[/(]{GLA_SCOPE}[)/]", names) or ("custom-call" in codes and "gla" in names.lower()):
         return "GLA"
     if "dot" in codes or "convolution" in codes:
         return "GEMM"

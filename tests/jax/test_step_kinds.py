@@ -39,6 +39,24 @@ def test_dots_bytes_scopes_and_loop_trips_of_a_known_function():
     assert sk.shape_bytes("(bf16[2,3]{1,0}, pred[], s32[4])") == 12 + 1 + 16
 
 
+def test_a_scope_keeps_its_kind_under_differentiation():
+    """The GLA's scope wrapped by jvp/transpose in op_name ('jvp(chunked_gla)/...'): the forward dot and
+    both backward dots are GLA, the dot outside it a GEMM."""
+    from laplace_jax.model import GLA_SCOPE
+    M, K, N = 8, 16, 32
+
+    def loss(x, w, u):
+        with jax.named_scope(GLA_SCOPE):
+            y = jnp.tanh(x @ w)
+        return jnp.sum(y @ u)
+
+    args = (jnp.ones((M, K)), jnp.ones((K, N)), jnp.ones((N, 4)))
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile().as_text()
+    assert f"jvp({GLA_SCOPE})" in text
+    rows = sk.by_kind(sk.kernels(sk.parse_hlo(text)))
+    assert rows["GLA"]["flops"] == 3 * 2 * M * K * N
+
+
 @pytest.fixture(scope="module")
 def tiny_step():
     """The trainer's step of a one-layer tiny model, two micro-steps of 2 x 32 tokens."""
