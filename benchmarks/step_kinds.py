@@ -338,6 +338,8 @@ def main(argv=None) -> int:
             walls.append((time.perf_counter() - t) * 1e3)
         wall_ms = sorted(walls)[len(walls) // 2]
         kernel_ms = trace_kernel_ms(step, Path(tempfile.mkdtemp()) / "trace")
+        if not kernel_ms:
+            print("[step_kinds] the trace holds no GPU kernels: kernel times need a GPU", flush=True)
     rows = by_kind(ks, kernel_ms, extra)
     md = table(rows, wall_ms)
     print(md, flush=True)
