@@ -11,6 +11,7 @@
 #   bash benchmarks/gpu_all.sh trainer OUT [ARGS] # the user's 3B command as shipped (+ ARGS), host RSS over its run
 #   bash benchmarks/gpu_all.sh mixed OUT   # a prompt arriving beside 12 decoding requests: Laplace and the peer
 #   bash benchmarks/gpu_all.sh kinds OUT [KEY=VALUE ...] # the trainer's 3B step by kind: time, FLOPs, bytes (step_kinds.py)
+#   bash benchmarks/gpu_all.sh nostage OUT [KEY=VALUE ...] # no vLLM needed: the whole-step GLA bench, then kinds (~6 min)
 #   bash benchmarks/gpu_all.sh fullcheck OUT [ARGS] # whole-step CUDA graphs against vLLM's mode in float32 (tiny
 #                                            # config, ~3 min); e.g. --cached-prefix 64 --block-size 32: with prefix caching
 # Wheels the GPU image lacks (fla-core, einops) are installed from .whl/ when present. Each part
@@ -96,6 +97,14 @@ trainer)
     CUDA_VISIBLE_DEVICES=0 trainer 240 "$first" "${@:3}"
     m=$(grep -o "use train.micro_batch=[0-9]*" "$out/train_$first.log" | head -1 | cut -d= -f2)
     [ -n "$m" ] && CUDA_VISIBLE_DEVICES=0 trainer 300 "mb$m" "${@:3}" train.micro_batch="$m" ;;
+nostage)
+    # the first call of a lease, before vLLM's five staging calls: the whole-step graph's GLA launches
+    # checked and timed (12 decodes; 128 decodes beside a 2,048-token prompt), then `kinds` below
+    for args in "" "--decodes 128 --padded 160 --prompt 2048"; do
+        CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/ops/bench_whole_step_gla.py cuda $args 2>&1 \
+            | grep -v Warning | tee -a "$out/whole_step_gla.log" | tail -3 | cut -c1-400
+    done
+    bash "$0" kinds "$out" "${@:3}" ;;
 kinds)
     # issue 34 item 1: the shipped 3B config's train step (its micro-batch; ARGS override, e.g.
     # train.micro_batch=4 where 16 does not fit) by kind of work, kernel times from one profiled step
@@ -113,7 +122,7 @@ from prefill_host import tiny_folder; tiny_folder(Path('/tmp/tiny_laplace'), 409
         --dtype float32 --lengths 32,64 --reps 2 --decodes 3 --budget 128 --max-num-seqs 64 --graphs-ab \
         "${@:3}" > "$out/fullcheck.log" 2>&1
     echo "== rc $?"; grep -a "full vs piecewise\|replay vs live\|cached tokens" "$out/fullcheck.log" | cut -c1-300 ;;
-*) echo "usage: $0 gla|ops|kernels|train|serve|profile|pair|online|trainer|mixed|kinds|fullcheck OUT" >&2; exit 2 ;;
+*) echo "usage: $0 gla|ops|kernels|train|serve|profile|pair|online|trainer|mixed|nostage|kinds|fullcheck OUT" >&2; exit 2 ;;
 esac
 rm -f "$out"/*/bench.md
 grep -h "^\[bench\]\|^\[micro\]" "$out"/*.log 2>/dev/null | cut -c1-260
