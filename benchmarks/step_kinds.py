@@ -174,7 +174,8 @@ def kind_of(mod: Module, ops: list[Instr]) -> str:
         return "finite check"
     if in_files("optim/muon.py"):
         return "optimizer: Muon Newton-Schulz"
-    if in_files("laplace_jax/optim/", "/optax/"):
+    # optax's losses (the softmax cross-entropy) are the model's, not the optimizer's
+    if any(("laplace_jax/optim/" in f or "/optax/" in f) and "/optax/losses/" not in f for f in files):
         return "optimizer: AdamW & other updates"
     # a scope's name in op_name is wrapped by the transforms applied to it: 'jvp(chunked_gla)/...'
     if re.search(rf"[/(]{GLA_SCOPE}[)/]", names) or ("custom-call" in codes and "gla" in names.lower()):

@@ -65,11 +65,12 @@ def tiny_step():
     cfg = resolve_execution(cfg, "cpu", gspmd=False)
     prog = build_program(cfg, make_mesh(cfg.mesh, jax.devices()[:1]))
     text = prog.step_fn.lower(*prog.abstract_args()).compile().as_text()
-    return cfg, prog, sk.by_kind(sk.kernels(sk.parse_hlo(text)))
+    ks = sk.kernels(sk.parse_hlo(text))
+    return cfg, prog, ks, sk.by_kind(ks)
 
 
 def test_the_trainer_step_flops_by_kind_equal_the_models_counts(tiny_step):
-    cfg, prog, rows = tiny_step
+    cfg, prog, ks, rows = tiny_step
     T = cfg.train.batch_tokens
     leaves = jax.tree_util.tree_flatten_with_path(prog.shapes)[0]
     matmul = sum(int(np.prod(s.shape)) for p, s in leaves
@@ -85,3 +86,14 @@ def test_the_trainer_step_flops_by_kind_equal_the_models_counts(tiny_step):
     timed = sk.table(sk.by_kind({"a": {"kind": "GEMM", "flops": 2, "bytes": 8, "times": 1}}, {"a": 3.0, "": 1.0}), 5.0)
     assert "| GEMM | 1 | 3.00 | 60.0 % |" in timed and "| unattributed | 0 | 1.00 | 20.0 % |" in timed
     assert "| host gaps (step wall - kernels) | 0 | 1.00 | 20.0 % |" in timed
+
+
+def test_the_optimizer_and_the_check_run_once_a_step_and_the_loss_in_every_micro_step(tiny_step):
+    """Two micro-steps a step: what runs in the accumulation loop runs twice (the GEMMs, the GLA, the
+    loss: optax's cross-entropy is not the optimizer's), the update and the finite check once."""
+    _, _, ks, _ = tiny_step
+    once = {k["kind"] for k in ks.values() if k["times"] == 1}
+    assert {k["times"] for k in ks.values() if k["kind"].startswith("optimizer") or k["kind"] == "finite check"} == {1}
+    for kind in ("GEMM", "GLA", "elementwise & other fusions"):
+        assert any(k["times"] == 2 for k in ks.values() if k["kind"] == kind), kind
+    assert "optimizer: AdamW & other updates" in once and "finite check" in once
