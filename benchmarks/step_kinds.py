@@ -5,7 +5,7 @@ the optimizer (Muon's Newton-Schulz and the AdamW/other updates), the finite che
     python benchmarks/step_kinds.py --config laplace_3b [--profile] [--reps 3] [--out DIR] [KEY=VALUE ...]
     python benchmarks/step_kinds.py --config laplace_tiny model.num_layers=1   # CPU: FLOPs and bytes only
 
-The step is the trainer's own program (`laplace_jax.train.build_program`: one micro-step's forward
+The step is the trainer's own program (`laplace_jax.train.build_program`: its micro-steps' forward
 and backward, the optimizer update, the finite check), compiled for this machine.  Its optimized
 HLO is read (`parse_hlo`): every instruction that runs as a kernel (not a parameter, constant,
 tuple or bitcast, in the entry computation or a loop body) gets a kind from its ops' metadata
@@ -27,8 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from laplace_jax.model import GLA_SCOPE  # noqa: E402
+from laplace_jax.model import GLA_SCOPE
 
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
