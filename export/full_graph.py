@@ -165,18 +165,28 @@ def own_slots(slots: torch.Tensor, md):
     return md
 
 
-class StateMetadataBuilder(LinearAttentionMetadataBuilder):
-    """vLLM's LINEAR metadata, with the state indices in a buffer of the builder's own (`own_slots`)
-    and full CUDA graphs declared for any batch."""
+class OwnSlotsBuilder:
+    """What a linear-attention metadata builder needs for whole-step graphs, mixed in before vLLM's
+    builder class: the state indices in a buffer of its own (`own_slots`) and full CUDA graphs
+    declared for any batch (vLLM's LINEAR builder declares single-token decodes, Bailing's uniform
+    batches; below ALWAYS vLLM turns FULL into FULL_AND_PIECEWISE)."""
 
     _cudagraph_support = AttentionCGSupport.ALWAYS
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        return AttentionCGSupport.ALWAYS       # Bailing's builder overrides this classmethod itself
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._slots = torch.zeros(vllm_config.scheduler_config.max_num_seqs, dtype=torch.int32, device=device)
 
-    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
-        return own_slots(self._slots, super().build(common_prefix_len, common_attn_metadata, fast_build))
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False, **kw):
+        return own_slots(self._slots, super().build(common_prefix_len, common_attn_metadata, fast_build, **kw))
+
+
+class StateMetadataBuilder(OwnSlotsBuilder, LinearAttentionMetadataBuilder):
+    """vLLM's LINEAR metadata, with `OwnSlotsBuilder`'s state-index buffer and full graphs."""
 
 
 class StateBackend(LinearAttentionBackend):

@@ -52,13 +52,10 @@ nothing.  The model names vLLM's Mamba state class itself in 'align' mode
 (`LaplaceForCausalLM.get_model_state_cls`, which V2 asks first; 0.32 picks that class for
 attention-free models anyway), so caching works on both runners.
 """
-import torch
-
-from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.linear_attn import (BailingLinearAttentionBackend,
                                                     BailingLinearAttentionMetadataBuilder)
 
-from export.full_graph import own_slots
+from export.full_graph import OwnSlotsBuilder
 
 
 class PrefixCacheError(ValueError):
@@ -77,22 +74,11 @@ def choose_mamba_cache_mode(enable_prefix_caching: bool, mode: str) -> str:
     return "align"
 
 
-class AlignStateMetadataBuilder(BailingLinearAttentionMetadataBuilder):
+class AlignStateMetadataBuilder(OwnSlotsBuilder, BailingLinearAttentionMetadataBuilder):
     """Bailing's metadata ('align' state indices: the block each request's step reads and writes),
-    with the state indices in a buffer of the builder's own for any batch (`own_slots`), so that a
-    whole-step graph (export/full_graph.py) follows them: Bailing's builder keeps a buffer of its own
-    for decode-only batches only, and hands a mixed batch a fresh gather."""
-
-    @classmethod
-    def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
-        return AttentionCGSupport.ALWAYS
-
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self._slots = torch.zeros(vllm_config.scheduler_config.max_num_seqs, dtype=torch.int32, device=device)
-
-    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False, **kw):
-        return own_slots(self._slots, super().build(common_prefix_len, common_attn_metadata, fast_build, **kw))
+    with `OwnSlotsBuilder`'s state-index buffer for any batch, so that a whole-step graph
+    (export/full_graph.py) follows them: Bailing's builder keeps a buffer of its own for decode-only
+    batches only, and hands a mixed batch a fresh gather."""
 
 
 class AlignStateBackend(BailingLinearAttentionBackend):
