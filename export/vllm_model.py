@@ -78,8 +78,6 @@ def state_shapes(cfg: Arch):
 STATE_DTYPES = (torch.float32, torch.float32)
 
 
-
-
 class LaplaceVllmMixer(LaplaceMixer, MambaBase):
     """Token mixer (conv → qkvg → GLA → aug → head norm → gate → w_out) with state in vLLM's pool."""
 
