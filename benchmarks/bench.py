@@ -27,7 +27,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
 
 import argparse
 import gc
-import glob
 import json
 import math
 import statistics
@@ -286,35 +285,18 @@ def bench_gla(t: Table, shape: dict[str, int], iters: int, reps: int, fla: dict[
 # ----------------------------------------------------------------------------- training step
 
 def _profile_summary(fn: Callable[[], Any], sync, trace_dir: Path) -> list[tuple[str, float, int, str]]:
-    """Trace `fn` once; return (kernel name, total ms, count, HLO op) over the GPU planes, largest
-    first, with a last "(all kernels)" row. The HLO op names the fusion or custom call in XLA's
-    optimized module (an `--xla_dump_to` dump maps it to source ops)."""
-    import jax
-    from jax.profiler import ProfileData
+    """Trace `fn` once; return (kernel name, total ms, count, HLO ops) over the GPU planes
+    (`step_kinds.traced_kernels`), largest first, with a last "(all kernels)" row. An
+    `--xla_dump_to` dump maps the HLO ops to source ops."""
+    from step_kinds import traced_kernels
 
-    jax.profiler.start_trace(str(trace_dir))
-    try:
-        sync(fn())
-    finally:
-        jax.profiler.stop_trace()
-    files = glob.glob(str(trace_dir / "**" / "*.xplane.pb"), recursive=True)
-    if not files:
-        return []
-    pd = ProfileData.from_file(files[0])
     agg: dict[str, list[Any]] = {}
-    for pl in pd.planes:
-        if not pl.name.startswith("/device:GPU"):
-            continue
-        for ln in pl.lines:
-            if not ln.name.startswith("Stream"):
-                continue
-            for ev in ln.events:
-                a = agg.setdefault(ev.name, [0.0, 0, set()])
-                a[0] += ev.duration_ns / 1e6
-                a[1] += 1
-                op = dict(ev.stats).get("hlo_op")
-                if op and len(a[2]) < 4:
-                    a[2].add(str(op))
+    for name, ms, op in traced_kernels(fn, trace_dir, sync):
+        a = agg.setdefault(name, [0.0, 0, set()])
+        a[0] += ms
+        a[1] += 1
+        if op and len(a[2]) < 4:
+            a[2].add(op)
     rows = sorted(((k, v[0], v[1], " ".join(sorted(v[2]))) for k, v in agg.items()), key=lambda r: -r[1])
     return rows + [("(all kernels)", sum(r[1] for r in rows), sum(r[2] for r in rows), "")]
 

@@ -59,6 +59,7 @@ class Module:
     computations: dict[str, list[Instr]]
     entry: str
     files: list[set[str]]       # per stack frame id: the files on that frame's stack (index 0: none)
+    shapes: dict[str, str]      # every instruction's result type (names are unique in an HLO module)
 
 
 def shape_bytes(shape: str) -> int:
@@ -127,7 +128,7 @@ def parse_hlo(text: str) -> Module:
             seen.add(f)
             stack[fid].add(files.get(locs.get(frames[f][0], 0), ""))
             f = frames[f][1]
-    return Module(comps, entry, stack)
+    return Module(comps, entry, stack, {i.name: i.shape for instrs in comps.values() for i in instrs})
 
 
 def _called(ins: Instr) -> list[str]:
@@ -201,9 +202,7 @@ def kernels(mod: Module) -> dict[str, dict]:
     todo = [(mod.entry, 1)]
     while todo:
         comp, times = todo.pop()
-        instrs = mod.computations.get(comp, [])
-        shapes = {i.name: i.shape for i in instrs}
-        for ins in instrs:
+        for ins in mod.computations.get(comp, []):
             if ins.opcode in ("while", "conditional", "call"):
                 n = times * (_trip_count(ins) if ins.opcode == "while" else 1)
                 body = re.findall(r"(?:body|branch_computations|to_apply)=\{?%([\w.\-]+)", ins.rest)
@@ -212,11 +211,8 @@ def kernels(mod: Module) -> dict[str, dict]:
             if ins.opcode in NO_KERNEL:
                 continue
             ops = _inner(mod, ins)
-            inner_shapes = dict(shapes)
-            for c in _called(ins):
-                inner_shapes.update({i.name: i.shape for i in mod.computations.get(c, [])})
-            flops = sum(dot_flops(i, inner_shapes) for i in ops)
-            nbytes = shape_bytes(ins.shape) + sum(shape_bytes(shapes.get(o, "")) for o in ins.operands)
+            flops = sum(dot_flops(i, mod.shapes) for i in ops)
+            nbytes = shape_bytes(ins.shape) + sum(shape_bytes(mod.shapes.get(o, "")) for o in ins.operands)
             out[ins.name] = {"kind": kind_of(mod, ops), "flops": flops * times, "bytes": nbytes * times,
                              "times": times}
     return out
@@ -227,7 +223,7 @@ def by_kind(ks: dict[str, dict], kernel_ms: dict[str, float] | None = None, extr
     trace names no HLO op for under "unattributed"), plus `extra_flops` {kind: FLOPs} that the HLO
     cannot show (custom calls)."""
     rows = {k: {"flops": 0, "bytes": 0, "ms": 0.0, "kernels": 0} for k in KINDS}
-    for name, k in ks.items():
+    for k in ks.values():
         r = rows[k["kind"]]
         r["flops"] += k["flops"]
         r["bytes"] += k["bytes"]
@@ -267,27 +263,33 @@ def gla_flops(cfg) -> int:
     return 3 * gla_flop_per_token(cfg) * cfg.train.batch_tokens
 
 
-def trace_kernel_ms(fn, trace_dir: Path) -> dict[str, float]:
-    """Run fn() once under JAX's profiler: {hlo op: ms} over the GPU streams' kernels ('' for those
-    without an hlo_op stat)."""
+def traced_kernels(fn, trace_dir: Path, sync=None) -> list[tuple[str, float, str]]:
+    """Run fn() once under JAX's profiler, waiting on its result with `sync` (default
+    jax.block_until_ready): (kernel name, ms, HLO op or '') of every kernel on the GPU streams (none
+    on a CPU).  The HLO op names the fusion or custom call in XLA's optimized module."""
     import jax
     from jax.profiler import ProfileData
 
     jax.profiler.start_trace(str(trace_dir))
     try:
-        jax.block_until_ready(fn())
+        (sync or jax.block_until_ready)(fn())
     finally:
         jax.profiler.stop_trace()
-    out: dict[str, float] = {}
+    out = []
     for f in glob.glob(str(trace_dir / "**" / "*.xplane.pb"), recursive=True)[:1]:
         for pl in ProfileData.from_file(f).planes:
-            if not pl.name.startswith("/device:GPU"):
-                continue
-            for ln in pl.lines:
-                if ln.name.startswith("Stream"):
-                    for ev in ln.events:
-                        op = str(dict(ev.stats).get("hlo_op", ""))
-                        out[op] = out.get(op, 0.0) + ev.duration_ns / 1e6
+            if pl.name.startswith("/device:GPU"):
+                out += [(ev.name, ev.duration_ns / 1e6, str(dict(ev.stats).get("hlo_op", "")))
+                        for ln in pl.lines if ln.name.startswith("Stream") for ev in ln.events]
+    return out
+
+
+def trace_kernel_ms(fn, trace_dir: Path) -> dict[str, float]:
+    """{HLO op: ms} of one run of fn() over the GPU kernels (`traced_kernels`; '' for kernels
+    without an HLO op)."""
+    out: dict[str, float] = {}
+    for _, ms, op in traced_kernels(fn, trace_dir):
+        out[op] = out.get(op, 0.0) + ms
     return out
 
 
