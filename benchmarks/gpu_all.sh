@@ -31,6 +31,11 @@ bench() { timeout "$1" python3 benchmarks/bench.py "${@:2}"; }
 # vLLM as ../shared/tools/vllm-gpu installs it (/tmp/vsite), on one GPU; FlashInfer's sampler JIT
 # would add ~100 s to each start
 vllm_env() { export PYTHONPATH=/tmp/vsite:${PYTHONPATH:-} VLLM_USE_FLASHINFER_SAMPLER=0 CUDA_VISIBLE_DEVICES=0; }
+# issue 34 item 1: the shipped 3B config's train step (its micro-batch; ARGS override, e.g.
+# train.micro_batch=4 where 16 does not fit) by kind of work, kernel times from one profiled step
+kinds() { CUDA_VISIBLE_DEVICES=0 timeout 400 python3 benchmarks/step_kinds.py --config laplace_3b --profile \
+              --out "$out/kinds" "$@" > "$out/kinds.log" 2>&1
+          echo "== rc $?"; tail -14 "$out/kinds.log" | cut -c1-250; gzip -f "$out/kinds/step_hlo.txt"; }
 case $part in
 gla)
     CUDA_VISIBLE_DEVICES=0 bench 540 --parts gla --reps 7 --fla-timeout 300 --out "$out/gla" > "$out/gla.log" 2>&1 ;;
@@ -99,18 +104,14 @@ trainer)
     [ -n "$m" ] && CUDA_VISIBLE_DEVICES=0 trainer 300 "mb$m" "${@:3}" train.micro_batch="$m" ;;
 nostage)
     # the first call of a lease, before vLLM's five staging calls: the whole-step graph's GLA launches
-    # checked and timed (12 decodes; 128 decodes beside a 2,048-token prompt), then `kinds` below
+    # checked and timed (12 decodes; 128 decodes beside a 2,048-token prompt), then kinds (above)
     for args in "" "--decodes 128 --padded 160 --prompt 2048"; do
         CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/ops/bench_whole_step_gla.py cuda $args 2>&1 \
             | grep -v Warning | tee -a "$out/whole_step_gla.log" | tail -3 | cut -c1-400
     done
-    bash "$0" kinds "$out" "${@:3}" ;;
+    kinds "${@:3}" ;;
 kinds)
-    # issue 34 item 1: the shipped 3B config's train step (its micro-batch; ARGS override, e.g.
-    # train.micro_batch=4 where 16 does not fit) by kind of work, kernel times from one profiled step
-    CUDA_VISIBLE_DEVICES=0 timeout 400 python3 benchmarks/step_kinds.py --config laplace_3b --profile \
-        --out "$out/kinds" "${@:3}" > "$out/kinds.log" 2>&1
-    echo "== rc $?"; tail -14 "$out/kinds.log" | cut -c1-250; gzip -f "$out/kinds/step_hlo.txt" ;;
+    kinds "${@:3}" ;;
 fullcheck)
     # export/full_graph.py's whole-step graphs against vLLM's FULL_AND_PIECEWISE on the tiny config in
     # float32, 128 tokens a step (every step of the agreement run mixes prefill chunks with decodes and
